@@ -1,0 +1,120 @@
+"""Causal grouped-query attention of a block's queries over cache + block.
+
+Two routes give the same output:
+
+* :func:`attention_weights` forms the full weight matrix ``A`` (KeyDiff Eq. 2) for
+  policies that read it (TOVA, H2O, SnapKV, ...).
+* :func:`attend` without ``return_weights`` walks the keys in chunks with the online
+  softmax recurrence of FlashAttention, so no more than a ``(B, key_chunk)`` tile of
+  weights ever exists. This is how attention-free policies (KeyDiff, L2, sink,
+  HashEvict) are shown to run without ``A``: the engine counts every call that
+  materialises it.
+
+Shapes: ``H`` query heads, ``Hkv`` KV heads, ``g = H / Hkv`` queries per KV head,
+``B`` queries in the block, ``n`` keys (cache + block), ``d`` head width. The causal
+mask is built from positions, not from indices, because after eviction each KV head
+holds its own set of tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["DEFAULT_KEY_CHUNK", "attend", "attention_weights", "causal_logits", "softmax"]
+
+#: Keys per tile of the online-softmax route: large enough that NumPy's per-call
+#: overhead is amortised, small enough that a tile of a 128-query block stays in cache.
+DEFAULT_KEY_CHUNK = 1024
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Numerically stable softmax (the maximum is subtracted before ``exp``)."""
+    shifted = x - np.max(x, axis=axis, keepdims=True)
+    e = np.exp(shifted)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def causal_logits(q: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
+    """Scaled logits ``q k^T / sqrt(d)`` with ``-inf`` where a key is in a query's future.
+
+    Parameters
+    ----------
+    q : (H, B, d) block queries
+    k : (Hkv, n, d) keys
+    q_pos : (B,) positions of the queries
+    k_pos : (Hkv, n) positions of the keys
+
+    Returns
+    -------
+    (Hkv, g, B, n) array
+    """
+    n_kv, _, d = k.shape
+    qg = _group(q, n_kv)
+    logits = (qg @ k[:, None].swapaxes(-1, -2)) * (1.0 / float(np.sqrt(d)))
+    future = k_pos[:, None, None, :] > q_pos[None, None, :, None]  # (Hkv, 1, B, n)
+    return np.where(future, -np.inf, logits)
+
+
+def attention_weights(q, k, q_pos, k_pos) -> np.ndarray:
+    """The attention weights ``A`` (Hkv, g, B, n); rows sum to 1 over visible keys."""
+    return softmax(causal_logits(q, k, q_pos, k_pos))
+
+
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, *,
+           return_weights: bool = False, key_chunk: int = DEFAULT_KEY_CHUNK):
+    """Attention outputs of the block's queries, and the weights only if asked for.
+
+    Parameters
+    ----------
+    q : (H, B, d)
+    k, v : (Hkv, n, d)
+    q_pos : (B,)
+    k_pos : (Hkv, n)
+    return_weights : bool
+        If true, materialise and return ``A`` (Hkv, g, B, n).
+    key_chunk : int
+        Tile width of the online-softmax route (ignored when ``return_weights``).
+
+    Returns
+    -------
+    out : (H, B, d)
+    weights : (Hkv, g, B, n) or None
+    """
+    if key_chunk < 1:
+        raise ValueError(f"key_chunk must be >= 1, got {key_chunk}")
+    n_kv, n, d = k.shape
+    heads, b, _ = q.shape
+    if return_weights:
+        logits = causal_logits(q, k, q_pos, k_pos)
+        p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        total = p.sum(axis=-1, keepdims=True)
+        out = (p @ v[:, None]) / total
+        return out.reshape(heads, b, d), p / total
+
+    # Online softmax (FlashAttention): keep a running max m, normaliser l and
+    # unnormalised output acc; rescale them by exp(m_old - m_new) as each tile arrives.
+    # With a single tile this performs exactly the operations of the branch above.
+    qg = _group(q, n_kv)
+    m = np.full((n_kv, heads // n_kv, b, 1), -np.inf, dtype=q.dtype)
+    l = np.zeros_like(m)
+    acc = np.zeros((n_kv, heads // n_kv, b, d), dtype=q.dtype)
+    for start in range(0, n, key_chunk):
+        stop = min(start + key_chunk, n)
+        s = causal_logits(qg.reshape(heads, b, d), k[:, start:stop], q_pos, k_pos[:, start:stop])
+        m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+        # A row whose keys so far are all in its future has m_new = -inf; keep it at 0.
+        safe = np.where(np.isfinite(m_new), m_new, 0.0)
+        correction = np.exp(m - safe)
+        p = np.exp(s - safe)
+        l = l * correction + p.sum(axis=-1, keepdims=True)
+        acc = acc * correction + p @ v[:, None, start:stop]
+        m = m_new
+    return (acc / l).reshape(heads, b, d), None
+
+
+def _group(q: np.ndarray, n_kv: int) -> np.ndarray:
+    """(H, B, d) -> (Hkv, g, B, d): query head ``h`` belongs to KV head ``h // g``."""
+    heads, b, d = q.shape
+    if heads % n_kv:
+        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({n_kv})")
+    return q.reshape(n_kv, heads // n_kv, b, d)

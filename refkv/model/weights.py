@@ -1,0 +1,156 @@
+"""Decoder weights: containers, validation and a seeded random initialiser.
+
+Convention: every projection is stored as ``(in_features, out_features)`` and applied
+as ``x @ W`` (the transpose of PyTorch's ``nn.Linear.weight``). Loaders transpose.
+Query/key projections are in the Hugging Face layout: RoPE rotates dimension ``i``
+with dimension ``i + d_head / 2`` of each head ("rotate half").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from .config import ModelConfig
+
+__all__ = ["LayerWeights", "ModelWeights", "random_weights"]
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """Weights of one decoder layer (shapes with ``H = n_heads``, ``Hkv = n_kv_heads``).
+
+    Attributes
+    ----------
+    attn_norm : (d_model,)
+        RMSNorm gain before attention.
+    wq : (d_model, H * d_head)
+    wk : (d_model, Hkv * d_head)
+    wv : (d_model, Hkv * d_head)
+    wo : (H * d_head, d_model)
+    mlp_norm : (d_model,)
+        RMSNorm gain before the MLP.
+    w_gate, w_up : (d_model, d_ff)
+    w_down : (d_ff, d_model)
+    """
+
+    attn_norm: np.ndarray
+    wq: np.ndarray
+    wk: np.ndarray
+    wv: np.ndarray
+    wo: np.ndarray
+    mlp_norm: np.ndarray
+    w_gate: np.ndarray
+    w_up: np.ndarray
+    w_down: np.ndarray
+
+    def expected_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        q, kv = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+        return {
+            "attn_norm": (cfg.d_model,), "wq": (cfg.d_model, q), "wk": (cfg.d_model, kv),
+            "wv": (cfg.d_model, kv), "wo": (q, cfg.d_model), "mlp_norm": (cfg.d_model,),
+            "w_gate": (cfg.d_model, cfg.d_ff), "w_up": (cfg.d_model, cfg.d_ff),
+            "w_down": (cfg.d_ff, cfg.d_model),
+        }
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    """All weights of a decoder.
+
+    Attributes
+    ----------
+    embed : (vocab_size, d_model)
+        Token embedding.
+    layers : tuple of LayerWeights
+    final_norm : (d_model,)
+    lm_head : (d_model, vocab_size) or None
+        ``None`` when the head is tied to ``embed`` (then ``embed.T`` is used).
+    """
+
+    embed: np.ndarray
+    layers: tuple[LayerWeights, ...]
+    final_norm: np.ndarray
+    lm_head: np.ndarray | None = None
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.embed.dtype
+
+    def validate(self, cfg: ModelConfig) -> None:
+        """Check shapes, dtype and finiteness against ``cfg``; raise ValueError if off."""
+        dtype = self.embed.dtype
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"weights dtype must be float32 or float64, got {dtype}")
+        if len(self.layers) != cfg.n_layers:
+            raise ValueError(f"weights have {len(self.layers)} layers, config n_layers={cfg.n_layers}")
+        if cfg.tie_embeddings != (self.lm_head is None):
+            raise ValueError("lm_head must be None exactly when config.tie_embeddings is true")
+        top = {"embed": (cfg.vocab_size, cfg.d_model), "final_norm": (cfg.d_model,)}
+        if self.lm_head is not None:
+            top["lm_head"] = (cfg.d_model, cfg.vocab_size)
+        checks = [(name, getattr(self, name), shape) for name, shape in top.items()]
+        for i, layer in enumerate(self.layers):
+            checks += [(f"layers[{i}].{name}", getattr(layer, name), shape)
+                       for name, shape in layer.expected_shapes(cfg).items()]
+        for name, array, shape in checks:
+            if not isinstance(array, np.ndarray):
+                raise ValueError(f"weight {name} must be a numpy array, got {type(array).__name__}")
+            if array.shape != shape:
+                raise ValueError(f"weight {name} has shape {array.shape}, expected {shape}")
+            if array.dtype != dtype:
+                raise ValueError(f"weight {name} has dtype {array.dtype}, expected {dtype} like embed")
+            if not np.all(np.isfinite(array)):
+                raise ValueError(f"weight {name} contains NaN or inf; weights must be finite")
+
+    def astype(self, dtype) -> ModelWeights:
+        """A copy with every array cast to ``dtype`` (float32 or float64)."""
+        dtype = np.dtype(dtype)
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dtype must be float32 or float64, got {dtype}")
+
+        def cast(a):
+            return None if a is None else np.ascontiguousarray(a, dtype=dtype)
+
+        layers = tuple(LayerWeights(**{f.name: cast(getattr(lw, f.name)) for f in fields(LayerWeights)})
+                       for lw in self.layers)
+        return ModelWeights(cast(self.embed), layers, cast(self.final_norm), cast(self.lm_head))
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float64) -> ModelWeights:
+    """Seeded random weights for ``cfg``.
+
+    Projections are Gaussian with standard deviation ``1 / sqrt(fan_in)`` so activations
+    keep unit scale through the layers; norm gains are ``1 + 0.1 * N(0, 1)`` so they are
+    not trivially all-ones (a bug that ignores a gain would go unnoticed otherwise).
+    The same ``(cfg, seed)`` gives the same float64 values on every platform; float32
+    weights are the float64 ones rounded.
+    """
+    dtype = np.dtype(dtype)
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
+    rng = np.random.default_rng(seed)
+
+    def dense(n_in, n_out):
+        return rng.standard_normal((n_in, n_out)) / np.sqrt(n_in)
+
+    def gain(n):
+        return 1.0 + 0.1 * rng.standard_normal(n)
+
+    q, kv = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+    embed = rng.standard_normal((cfg.vocab_size, cfg.d_model))
+    layers = []
+    for _ in range(cfg.n_layers):
+        layers.append(LayerWeights(
+            attn_norm=gain(cfg.d_model), wq=dense(cfg.d_model, q), wk=dense(cfg.d_model, kv),
+            wv=dense(cfg.d_model, kv), wo=dense(q, cfg.d_model), mlp_norm=gain(cfg.d_model),
+            w_gate=dense(cfg.d_model, cfg.d_ff), w_up=dense(cfg.d_model, cfg.d_ff),
+            w_down=dense(cfg.d_ff, cfg.d_model)))
+    final_norm = gain(cfg.d_model)
+    lm_head = None if cfg.tie_embeddings else dense(cfg.d_model, cfg.vocab_size)
+    weights = ModelWeights(embed, tuple(layers), final_norm, lm_head).astype(dtype)
+    weights.validate(cfg)
+    return weights

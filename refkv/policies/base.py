@@ -1,0 +1,283 @@
+"""The policy protocol, the one selection routine every policy uses, and the registry.
+
+A policy is a small frozen dataclass of parameters plus pure functions of a
+:class:`View` (what the engine shows it at eviction time):
+
+* ``needs``: the signals it reads, from ``{"keys", "values", "queries", "attention",
+  "positions"}``. The engine materialises attention weights only if ``"attention"`` is
+  in it.
+* ``score(view) -> (Hkv, n)``: higher means keep.
+* ``protected(view) -> (Hkv, n) bool``: tokens that must stay (sinks, recent window).
+* ``fields(config)`` and ``observe(view) -> {name: array}``: per-token state kept in
+  the cache (see :mod:`refkv.cache`), updated after every attention call.
+* ``check(budget, config)``: raise ValueError if the protected set cannot fit.
+
+Conventions shared by every policy (decided once, here):
+
+* **Tie rule.** Equal scores keep the more recent token (larger position). The
+  selection sorts on the pair (score, position) with :func:`numpy.lexsort`, so it does
+  not depend on how a sort orders equal floats.
+* **Budget.** ``N`` is per layer and per KV head; protected tokens count inside it.
+* **GQA.** Attention-based scores average the weights of the query heads that share a
+  KV head (KeyDiff App. B.2): :meth:`View.attention_by_kv_head`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ..cache import FieldSpec
+from ..model.config import ModelConfig
+
+__all__ = [
+    "SIGNALS",
+    "Policy",
+    "View",
+    "available",
+    "check_int",
+    "first_tokens",
+    "get",
+    "policy_class",
+    "recent_tokens",
+    "register",
+    "select",
+]
+
+#: Signals a policy may declare in ``needs``.
+SIGNALS = frozenset({"keys", "values", "queries", "attention", "positions"})
+
+
+@dataclass(frozen=True)
+class View:
+    """What a policy sees of one layer at eviction (or observation) time.
+
+    Attributes
+    ----------
+    layer, n_layers : int
+        This layer's index and the model's layer count.
+    keys, values : (Hkv, n, d)
+        The candidate tokens: the cache after the block was appended (eviction after
+        attention), or the cache before it (eviction before attention).
+    positions : (Hkv, n) int64
+        Their positions, increasing along each row.
+    fields : mapping of str to (Hkv, n, ...) arrays
+        Per-token policy state, aligned with ``positions``.
+    queries : (H, B, d)
+        The block's queries, after RoPE.
+    query_positions : (B,) int64
+    block_keys, block_values : (Hkv, B, d)
+        The block's own keys and values (also inside ``keys`` after attention).
+    attention : (Hkv, g, B, n) or None
+        Attention weights of the block's queries over ``keys``; ``None`` unless the
+        policy needs ``"attention"`` and eviction is after attention.
+    budget : int or None
+        Tokens this eviction keeps per head: ``N``, or ``N - B`` when evicting before
+        attention; ``None`` when the engine has no budget.
+    """
+
+    layer: int
+    n_layers: int
+    keys: np.ndarray
+    values: np.ndarray
+    positions: np.ndarray
+    fields: Mapping[str, np.ndarray]
+    queries: np.ndarray
+    query_positions: np.ndarray
+    block_keys: np.ndarray
+    block_values: np.ndarray
+    attention: np.ndarray | None = None
+    budget: int | None = None
+
+    @property
+    def n(self) -> int:
+        """Tokens per KV head."""
+        return self.keys.shape[1]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.queries.shape[0] // self.keys.shape[0]
+
+    def attention_by_kv_head(self) -> np.ndarray:
+        """Attention weights averaged over each KV head's query group: (Hkv, B, n)."""
+        if self.attention is None:
+            raise ValueError("attention weights were not computed: the policy must declare "
+                             "'attention' in its needs (and evict after attention)")
+        return self.attention.mean(axis=1)
+
+    def queries_by_kv_head(self) -> np.ndarray:
+        """Queries grouped under their KV head: (Hkv, g, B, d)."""
+        h, b, d = self.queries.shape
+        return self.queries.reshape(self.n_kv_heads, h // self.n_kv_heads, b, d)
+
+
+class Policy:
+    """Base class of eviction policies (subclasses are frozen dataclasses).
+
+    Class attributes
+    ----------------
+    name : str
+        Registry name.
+    summary : str
+        One line for ``refkv policies``.
+    paper : str
+        Where the policy comes from.
+    needs : frozenset of str
+        Subset of :data:`SIGNALS`.
+    evict_before_attention : bool
+        If true, the engine evicts from the cache *before* the block attends, down to
+        ``N - B`` tokens, so the block attends to at most ``N`` (HashEvict's Algorithm 1).
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    needs: ClassVar[frozenset] = frozenset()
+    evict_before_attention: ClassVar[bool] = False
+
+    # -- the protocol ----------------------------------------------------------------
+    def check(self, budget: int, config: ModelConfig) -> None:
+        """Raise ValueError if this policy cannot run with ``budget`` on ``config``."""
+
+    def fields(self, config: ModelConfig) -> dict[str, FieldSpec]:
+        """Per-token state fields this policy keeps in the cache."""
+        return {}
+
+    def observe(self, view: View) -> dict[str, np.ndarray]:
+        """New values of the state fields after the block attended (default: none)."""
+        return {}
+
+    def score(self, view: View) -> np.ndarray:
+        """(Hkv, n) scores, higher means keep."""
+        raise NotImplementedError
+
+    def protected(self, view: View) -> np.ndarray:
+        """(Hkv, n) bool mask of tokens that must stay (default: none)."""
+        return np.zeros(view.positions.shape, dtype=bool)
+
+    def keep_indices(self, view: View, budget: int) -> np.ndarray:
+        """The tokens to keep: :func:`select` of this policy's scores and protected set."""
+        return select(self.score(view), view.positions, budget, self.protected(view))
+
+    # -- description -----------------------------------------------------------------
+    def params(self) -> dict:
+        """Parameters as a plain dict (dataclass fields)."""
+        return {f: getattr(self, f) for f in getattr(self, "__dataclass_fields__", {})}
+
+    def describe(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{self.name}({args})"
+
+
+def select(scores: np.ndarray, positions: np.ndarray, budget: int,
+           protected: np.ndarray | None = None) -> np.ndarray:
+    """Turn scores, a protected mask and a budget into the indices to keep.
+
+    The one selection routine (KeyDiff Eq. 5's ``topk``) that every policy uses.
+    Per KV head: protected tokens first, then the highest scores, ties going to the
+    more recent token (larger position); ``min(budget, n)`` tokens are kept.
+
+    Parameters
+    ----------
+    scores : (Hkv, n) float array
+        Higher means keep. NaN is an error.
+    positions : (Hkv, n) int array
+        Positions of the tokens (the tie-breaker).
+    budget : int
+        Tokens to keep per head, ``>= 1``.
+    protected : (Hkv, n) bool array, optional
+        Tokens that must be kept; there must be at most ``budget`` per head.
+
+    Returns
+    -------
+    (Hkv, min(budget, n)) int64 array of column indices, increasing along each row.
+    """
+    scores = np.asarray(scores)
+    if scores.shape != positions.shape:
+        raise ValueError(f"scores must have shape {positions.shape} (like positions), got {scores.shape}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
+        raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+    if np.isnan(scores).any():
+        raise ValueError("scores contain NaN; a policy must return comparable scores")
+    if protected is None:
+        protected = np.zeros(scores.shape, dtype=bool)
+    elif protected.shape != scores.shape:
+        raise ValueError(f"protected must have shape {scores.shape}, got {protected.shape}")
+    n_protected = protected.sum(axis=1)
+    if n_protected.max(initial=0) > budget:
+        raise ValueError(f"{int(n_protected.max())} protected tokens do not fit in budget={budget}")
+    n_kv, n = scores.shape
+    m = min(int(budget), n)
+    kept = np.empty((n_kv, m), dtype=np.int64)
+    for h in range(n_kv):
+        # lexsort sorts by its last key first: protected, then score, then position,
+        # all descending (hence the negations; -0.0 == 0.0 so signed zeros tie).
+        order = np.lexsort((-positions[h], -scores[h], ~protected[h]))
+        kept[h] = np.sort(order[:m])
+    return kept
+
+
+def first_tokens(view: View, count: int) -> np.ndarray:
+    """Mask of the prompt's first ``count`` tokens (positions ``< count``): attention sinks."""
+    return view.positions < count
+
+
+def recent_tokens(view: View, count: int) -> np.ndarray:
+    """Mask of each head's ``count`` most recent tokens (the last columns)."""
+    mask = np.zeros(view.positions.shape, dtype=bool)
+    if count > 0:
+        mask[:, -count:] = True
+    return mask
+
+
+# -- registry --------------------------------------------------------------------------
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Class decorator adding a policy to the registry under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"policy name {cls.name!r} is already registered")
+    bad = set(cls.needs) - SIGNALS
+    if bad:
+        raise ValueError(f"{cls.__name__}.needs has unknown signals {sorted(bad)}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The policy class registered as ``name``."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; available: {', '.join(available())}") from None
+
+
+def get(name: str, **params) -> Policy:
+    """Construct the policy registered as ``name`` with ``params``."""
+    return policy_class(name)(**params)
+
+
+def available() -> list[str]:
+    """Names of all registered policies, sorted."""
+    return sorted(_REGISTRY)
+
+
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    """Validate an integer parameter; the ValueError names it and the allowed range."""
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if not ok or value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+    return int(value)
+

@@ -1,0 +1,50 @@
+"""``sink``: StreamingLLM's attention sinks plus a recent window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..model.config import ModelConfig
+from .base import Policy, View, check_int, first_tokens, recent_tokens, register
+
+__all__ = ["Sink"]
+
+
+@register
+@dataclass(frozen=True)
+class Sink(Policy):
+    """StreamingLLM (Xiao et al., 2024, "Efficient Streaming Language Models with
+    Attention Sinks"): keep the first ``sink`` tokens and the most recent ``N - sink``.
+
+    Score is recency (the position); both groups are protected, so exactly ``N``
+    tokens are protected and the score never decides anything. Keys keep their
+    original RoPE positions (the seed papers' setting), not StreamingLLM's
+    positions-within-cache.
+
+    Parameters
+    ----------
+    sink : int, default 4
+        Number of initial tokens kept (4, following StreamingLLM and KeyDiff App. B.2).
+    """
+
+    name = "sink"
+    summary = "StreamingLLM: first s tokens (attention sinks) + recent window"
+    paper = "Xiao et al. 2024, StreamingLLM; default s = 4 (KeyDiff App. B.2)"
+    needs = frozenset({"positions"})
+
+    sink: int = 4
+
+    def __post_init__(self):
+        check_int("sink", self.sink, 0)
+
+    def check(self, budget: int, config: ModelConfig) -> None:
+        if budget <= self.sink:
+            raise ValueError(f"budget must be > sink={self.sink} (room for a recent window), got {budget}")
+
+    def score(self, view: View) -> np.ndarray:
+        return view.positions.astype(np.float64)
+
+    def protected(self, view: View) -> np.ndarray:
+        return first_tokens(view, self.sink) | recent_tokens(view, view.budget - self.sink)
