@@ -5,7 +5,11 @@
 Sink(sink=4)
 """
 
-from . import full, sink  # noqa: F401  (importing registers the policies)
+# Importing a policy module registers its policies; one line per module.
+from . import (  # noqa: F401
+    full,
+    sink,
+)
 from .base import (
     SIGNALS,
     Policy,
