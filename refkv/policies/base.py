@@ -122,8 +122,8 @@ class View:
 class Policy:
     """Base class of eviction policies (subclasses are frozen dataclasses).
 
-    Class attributes
-    ----------------
+    Attributes
+    ----------
     name : str
         Registry name.
     summary : str
