@@ -7,8 +7,13 @@ Sink(sink=4)
 
 # Importing a policy module registers its policies; one line per module.
 from . import (  # noqa: F401
+    caote,
     full,
+    h2o,
+    scissorhands,
     sink,
+    snapkv,
+    tova,
 )
 from .base import (
     SIGNALS,

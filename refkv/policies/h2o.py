@@ -1,0 +1,117 @@
+"""``h2o``: Heavy-Hitter Oracle (Zhang et al., 2023).
+
+H2O keeps the "heavy hitters", the tokens with the largest attention accumulated over
+every query that has seen them, plus a window of recent tokens. In the notation of
+KeyDiff App. A.1 the score after a block with attention ``A`` (``B`` queries by ``n``
+keys) is
+
+.. math:: \\phi_{\\mathrm{H2O}}(A) = A_{\\mathrm{prev}} + A^\\top \\mathbf{1},
+
+where :math:`A_{\\mathrm{prev}}` is the accumulated score carried from earlier blocks. The
+accumulator is per-token state, a cache field evicted together with its token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cache import FieldSpec
+from ..model.config import ModelConfig
+from .base import Policy, View, check_int, recent_tokens, register
+
+__all__ = ["FIELD", "H2O", "accumulated_attention"]
+
+#: Name of the cache field holding the accumulated attention (float64).
+FIELD = "h2o_accumulated"
+
+
+def accumulated_attention(attention_by_kv_head: np.ndarray) -> np.ndarray:
+    """One block's contribution :math:`A^\\top \\mathbf{1}`: the sum over the block's queries.
+
+    Parameters
+    ----------
+    attention_by_kv_head : (..., B, n) array
+        Attention weights of the block's ``B`` queries over ``n`` keys (for GQA, already
+        averaged over each KV head's query group: :meth:`refkv.policies.View.attention_by_kv_head`).
+
+    Returns
+    -------
+    (..., n) array: column sums, the same dtype. A key in a query's future has weight 0
+    for that query, so each token collects only from the queries that saw it.
+    """
+    return attention_by_kv_head.sum(axis=-2)
+
+
+@register
+@dataclass(frozen=True)
+class H2O(Policy):
+    """H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative
+    Inference of Large Language Models"; KeyDiff App. A.1).
+
+    Score of token ``j`` (higher = keep): its accumulated attention
+    :math:`h_j = \\sum_{t} \\bar A_{t, j}` over every query ``t`` that has attended to it
+    while it was in the cache, with :math:`\\bar A` the mean over the KV head's query group
+    (KeyDiff App. B.2). The most recent ``recent`` tokens are protected; the other
+    ``N - recent`` slots go to the heavy hitters.
+
+    Parameters
+    ----------
+    recent : int or None, default None
+        Size ``r`` of the protected recent window. ``None`` means ``N // 2`` of the budget
+        ``N`` of each eviction (H2O's even split between heavy hitters and recent tokens).
+        An explicit ``recent`` must be smaller than the budget (at least one heavy-hitter
+        slot): :meth:`check` raises :class:`ValueError` otherwise.
+
+    Notes
+    -----
+    * **Block mode** (``B > 1``): after each block, every cached token adds the column sum
+      of the block's (group-averaged) attention, :math:`A_{\\mathrm{prev}} + A^\\top\\mathbf{1}`
+      (KeyDiff App. A.1). Processing a block at once or its queries one by one therefore
+      gives the same accumulators as long as nothing is evicted in between.
+    * The update happens after the block's attention and before its eviction, so the
+      block's own tokens are scored with the attention they received inside the block.
+    * Later tokens have been seen by fewer queries and so score lower; this is H2O's
+      known bias and the reason for the protected recent window.
+    * The accumulator is kept in float64 whatever the model dtype (an explicit cast of each
+      block's float32 sum), so long sums are not a source of disagreement between runs.
+    * **Deviation from the official code**: the official code keeps one accumulator per
+      attention head of models without GQA, and gives the split between heavy hitters and
+      recent tokens as ratios of the sequence length; here a KV head's query group is
+      averaged (the seed papers' rule) and ``r`` is counted in tokens of the budget.
+    """
+
+    name = "h2o"
+    summary = "H2O: accumulated attention (heavy hitters) + last r tokens (r = N // 2)"
+    paper = "Zhang et al. 2023, H2O; phi = A_prev + A^T 1 (KeyDiff App. A.1)"
+    needs = frozenset({"attention"})
+    #: Scores are sums of attention weights, >= 0 (CAOTE may wrap this policy).
+    nonnegative_scores = True
+
+    recent: int | None = None
+
+    def __post_init__(self):
+        if self.recent is not None:
+            check_int("recent", self.recent, 0)
+
+    def recent_window(self, budget: int) -> int:
+        """``r`` for an eviction keeping ``budget`` tokens: ``recent`` or ``budget // 2``."""
+        return budget // 2 if self.recent is None else int(self.recent)
+
+    def check(self, budget: int, config: ModelConfig) -> None:
+        if self.recent is not None and self.recent >= budget:
+            raise ValueError(f"recent must be < budget={budget} (room for heavy hitters), got {self.recent}")
+
+    def fields(self, config: ModelConfig) -> dict[str, FieldSpec]:
+        return {FIELD: FieldSpec(dtype=np.float64, shape=(), fill=0.0)}
+
+    def observe(self, view: View) -> dict[str, np.ndarray]:
+        block = accumulated_attention(view.attention_by_kv_head()).astype(np.float64)
+        return {FIELD: view.fields[FIELD] + block}
+
+    def score(self, view: View) -> np.ndarray:
+        return view.fields[FIELD]
+
+    def protected(self, view: View) -> np.ndarray:
+        return recent_tokens(view, self.recent_window(view.budget))

@@ -1,0 +1,91 @@
+"""``tova``: Token Omission Via Attention (Oren et al., 2024).
+
+TOVA keeps the tokens that the *current* query attends to most. In the unified
+notation of KeyDiff App. A.1 its aggregation of the attention matrix ``A`` is its last
+row,
+
+.. math:: \\phi_{\\mathrm{TOVA}}(A) = A_{-1,:},
+
+so the score of token ``j`` is the attention weight that the block's last query gives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import Policy, View, register
+
+__all__ = ["TOVA", "last_query_attention"]
+
+
+def last_query_attention(attention: np.ndarray) -> np.ndarray:
+    """The attention row of the block's last query: ``A[..., -1, :]`` (KeyDiff App. A.1).
+
+    Parameters
+    ----------
+    attention : (..., B, n) array
+        Attention weights of a block's ``B`` queries over ``n`` keys.
+
+    Returns
+    -------
+    (..., n) array, the same dtype.
+    """
+    return attention[..., -1, :]
+
+
+@register
+@dataclass(frozen=True)
+class TOVA(Policy):
+    """TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs"; KeyDiff App. A.1).
+
+    Score of token ``j`` (higher = keep): :math:`s_j = \\bar A_{B, j}`, the attention weight
+    of the block's last query, with :math:`\\bar A` the mean over the query heads that share
+    the KV head (KeyDiff App. B.2). Nothing is protected.
+
+    Parameters
+    ----------
+    all_heads : bool, default False
+        Average the last query's weights over *all* query heads of the layer (what the
+        official TOVA code does) instead of over each KV head's query group. Every KV head
+        then gets the same scores, so all heads keep the same tokens.
+
+    Notes
+    -----
+    * **Block mode** (``B > 1``): the block's last query is the only one that sees every
+      candidate (the causal mask hides later block tokens from earlier queries), so its
+      row is the score; this is KeyDiff App. A.1's :math:`A_{-1,:}`. With ``B = 1`` it is
+      the paper's per-token rule.
+    * **GQA**: the group mean is taken before the scores are compared (KeyDiff App. B.2);
+      selection is per KV head.
+    * ``all_heads=True`` requires that every KV head holds the same tokens (columns must
+      mean the same token in every head); it does whenever the whole run used
+      ``all_heads=True``, and a :class:`ValueError` is raised otherwise.
+    * **Deviation from the official code**: besides the head averaging above, the official
+      code has no attention-sink protection either; neither does this policy.
+    """
+
+    name = "tova"
+    summary = "TOVA: attention of the block's last query (group mean); nothing protected"
+    paper = "Oren et al. 2024, Transformers are Multi-State RNNs; KeyDiff App. A.1"
+    needs = frozenset({"attention"})
+    #: Scores are attention weights, >= 0 (CAOTE may wrap this policy).
+    nonnegative_scores = True
+
+    all_heads: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.all_heads, (bool, np.bool_)):
+            raise ValueError(f"all_heads must be True or False, got {self.all_heads!r}")
+
+    def score(self, view: View) -> np.ndarray:
+        if not self.all_heads:
+            return last_query_attention(view.attention_by_kv_head())
+        if view.attention is None:
+            view.attention_by_kv_head()  # raises the explanatory error
+        if not np.array_equal(view.positions, np.broadcast_to(view.positions[:1], view.positions.shape)):
+            raise ValueError("all_heads=True needs every KV head to hold the same tokens; "
+                             "these heads hold different positions")
+        row = last_query_attention(view.attention).mean(axis=(0, 1))  # (Hkv, g, n) -> (n,)
+        return np.broadcast_to(row, view.positions.shape).copy()
