@@ -11,6 +11,7 @@ from . import (  # noqa: F401
     full,
     h2o,
     keydiff,
+    knorm,
     scissorhands,
     sink,
     snapkv,
