@@ -12,6 +12,7 @@ from . import (  # noqa: F401
     h2o,
     keydiff,
     knorm,
+    mat,
     scissorhands,
     sink,
     snapkv,
