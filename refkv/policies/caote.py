@@ -32,7 +32,7 @@ __all__ = ["SIGNED_POLICIES", "Caote", "caote_scores", "fast_caote_scores", "nor
 
 #: Registered policies known to return negative scores, refused as CAOTE bases at
 #: construction (a policy class can say so itself with ``nonnegative_scores = False``).
-SIGNED_POLICIES = frozenset({"keydiff", "knorm", "l2", "hashevict", "mat"})
+SIGNED_POLICIES = frozenset({"keydiff", "knorm", "hashevict", "mat"})
 
 
 def normalise(base_scores: np.ndarray) -> np.ndarray:
@@ -151,7 +151,7 @@ class Caote(Policy):
     ----------
     base : str or Policy, default "h2o"
         The base policy: a registered name (built with ``base_params``) or a policy
-        object. Its scores must be non-negative: bases known to be signed (KeyDiff, L2,
+        object. Its scores must be non-negative: bases known to be signed (KeyDiff, L2/Knorm,
         HashEvict, MAT, or any class with ``nonnegative_scores = False``) are refused
         here, and negative scores met at run time raise :class:`ValueError`.
     fast : bool, default False
