@@ -10,6 +10,7 @@ from . import (  # noqa: F401
     caote,
     full,
     h2o,
+    hashevict,
     keydiff,
     knorm,
     mat,
