@@ -15,6 +15,7 @@ import numpy as np
 from . import __version__, policies
 from .engine import Engine
 from .generation import add_generate_command
+from .oracle.cli import add_golden_command
 
 __all__ = ["build_parser", "format_ranges", "main", "parse_params"]
 
@@ -114,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="refkv", description="Reference KV-cache eviction in NumPy.")
     parser.add_argument("--version", action="version", version=f"refkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_policies_command, add_run_command, add_generate_command):
+    for add in (add_policies_command, add_run_command, add_generate_command, add_golden_command):
         add(sub)
     return parser
 

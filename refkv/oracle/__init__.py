@@ -1,0 +1,35 @@
+"""refkv as an oracle: golden files other projects check their eviction kernels against.
+
+* :mod:`refkv.oracle.schema` -- file kinds, versions, flags, arrays in JSON;
+* :mod:`refkv.oracle.io` -- atomic, reproducible writing; reading without pickle;
+* :mod:`refkv.oracle.vectors` -- score-function test vectors (JSON);
+* :mod:`refkv.oracle.endtoend` -- end-to-end goldens of the built-in model (JSON + npz);
+* :mod:`refkv.oracle.compare` -- shape/dtype/value and tie-aware retention comparison;
+* :mod:`refkv.oracle.suite` -- the suite ``refkv golden generate`` writes;
+* :mod:`refkv.oracle.cli` -- the ``refkv golden`` command.
+
+The format is specified in ``docs/oracle/format.rst``; the assertions for other
+projects' tests are in :mod:`refkv.testing`.
+"""
+
+from .compare import check_suite, compare_arrays, compare_retention
+from .endtoend import EndToEnd, read_end_to_end, run_end_to_end
+from .schema import SCHEMA_VERSION, SUPPORTED_VERSIONS
+from .suite import generate_suite, read_suite
+from .vectors import VectorCase, VectorFile, read_vectors
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "SUPPORTED_VERSIONS",
+    "EndToEnd",
+    "VectorCase",
+    "VectorFile",
+    "check_suite",
+    "compare_arrays",
+    "compare_retention",
+    "generate_suite",
+    "read_end_to_end",
+    "read_suite",
+    "read_vectors",
+    "run_end_to_end",
+]

@@ -1,0 +1,87 @@
+"""``refkv golden``: generate a golden suite, check a candidate against one, export weights."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+__all__ = ["add_golden_command"]
+
+
+def _names(values: list[str] | None) -> list[str] | None:
+    """``--policies a b`` or ``--policies a,b``."""
+    if not values:
+        return None
+    return [n for v in values for n in v.split(",") if n]
+
+
+def add_golden_command(sub) -> None:
+    """Add ``golden generate``, ``golden check`` and ``golden weights`` to the ``refkv`` parser."""
+    p = sub.add_parser("golden", help="golden files: generate a suite, check a candidate against one",
+                       description="Golden files for checking other implementations against refkv "
+                                   "(see docs/oracle).")
+    gsub = p.add_subparsers(dest="golden_command", required=True)
+
+    g = gsub.add_parser("generate", help="write a golden suite (every registered policy by default)")
+    g.add_argument("--out", required=True, help="directory to write (created if needed)")
+    g.add_argument("--policies", nargs="+", metavar="NAME", help="only these policies (names or a,b,c)")
+    g.add_argument("--quiet", action="store_true", help="no progress lines")
+    g.set_defaults(func=_cmd_generate)
+
+    c = gsub.add_parser("check", help="compare a candidate directory with a golden suite; exit 1 on failure")
+    c.add_argument("candidate", help="directory with the candidate's files, laid out like the suite")
+    c.add_argument("--against", required=True, help="the golden suite directory")
+    c.add_argument("--policies", nargs="+", metavar="NAME", help="only these policies")
+    c.add_argument("--kind", choices=("all", "vectors", "e2e"), default="all", help="which files to check")
+    c.add_argument("--allow-missing", action="store_true", help="skip suite files the candidate lacks")
+    c.add_argument("--strict-ties", action="store_true",
+                   help="fail on accepted ties too (the candidate must follow refkv's tie rule exactly)")
+    c.add_argument("--tolerance-factor", type=float, default=1.0,
+                   help="multiply every tolerance of the suite by this factor")
+    c.add_argument("--exact-dtype", action="store_true",
+                   help="require identical dtypes (default: same kind, float/integer/bool)")
+    c.add_argument("--verbose", action="store_true", help="list passing files and every tie")
+    c.set_defaults(func=_cmd_check)
+
+    w = gsub.add_parser("weights", help="export the built-in model's weights (npz + JSON manifest)")
+    w.add_argument("--out", required=True, help="the .npz file to write")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--dtype", choices=("float32", "float64"), default="float64")
+    w.set_defaults(func=_cmd_weights)
+
+
+def _cmd_generate(args) -> int:
+    from .suite import generate_suite
+
+    start = time.perf_counter()
+    say = None if args.quiet else print
+    index = generate_suite(args.out, _names(args.policies), progress=say)
+    n_vec = sum(1 for f in index["files"] if f["kind"] == "vectors")
+    n_e2e = len(index["files"]) - n_vec
+    print(f"wrote {n_vec} vectors files and {n_e2e} end-to-end goldens for {len(index['policies'])} policies "
+          f"to {args.out} ({len(index['skipped'])} cases skipped, see suite.json) in "
+          f"{time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _cmd_check(args) -> int:
+    from .compare import check_suite
+
+    kinds = ("vectors", "e2e") if args.kind == "all" else (args.kind,)
+    report = check_suite(args.candidate, args.against, policies=_names(args.policies), kinds=kinds,
+                         allow_missing=args.allow_missing, tolerance_factor=args.tolerance_factor,
+                         strict_ties=args.strict_ties, check_dtype=True if args.exact_dtype else "kind")
+    print(report.format(verbose=args.verbose))
+    if not report.files:
+        print("refkv golden check: nothing was compared", file=sys.stderr)
+        return 1
+    return 0 if report.ok else 1
+
+
+def _cmd_weights(args) -> int:
+    from .endtoend import export_weights
+
+    m = export_weights(args.out, seed=args.seed, dtype=args.dtype)
+    print(f"wrote {len(m['arrays']['contents'])} arrays of the built-in model (seed {args.seed}, {args.dtype}) to "
+          f"{args.out} and its manifest to {m['arrays']['file'].rsplit('.', 1)[0]}.json")
+    return 0

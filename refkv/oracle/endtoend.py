@@ -1,0 +1,319 @@
+"""End-to-end goldens: block prompt processing of a seeded prompt on the built-in model.
+
+A golden is a JSON manifest (model config and seed, prompt rule, policy, ``N``, ``B``,
+tolerances, array index) beside an ``.npz`` of arrays:
+
+=================  ==============================  ======================================
+array              shape                           meaning
+=================  ==============================  ======================================
+``prompt``         (T,) int64                      the prompt's token ids
+``kept``           (blocks, L, Hkv, K) int64       positions each layer/head holds after
+                                                   each block, increasing, padded with -1
+``kept_count``     (blocks, L) int64               how many of ``kept`` are real
+``candidates``     (blocks, L, Hkv, C) int64       positions offered to the eviction of
+                                                   that block and layer, padded with -1
+``candidate_count`` (blocks, L) int64              0 where the layer did not evict
+``scores``         (blocks, L, Hkv, C) float64     the reference scores of the candidates
+                                                   (NaN padding; float32 and integer scores
+                                                   are exact in float64)
+``protected``      (blocks, L, Hkv, C) bool        the candidates the policy protected
+``logits``         (vocab,) model dtype            logits of the prompt's last token
+=================  ==============================  ======================================
+
+The per-decision scores are what makes the comparison tie-aware end to end: where a
+candidate keeps another token than the reference, the two tokens' reference scores are at
+hand (see :mod:`refkv.oracle.compare`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..engine import Engine, blocks
+from ..model import builtin_model
+from ..policies import Policy
+from .io import read_json, read_npz, sha256, write_json, write_npz
+from .schema import E2E_SCHEMA, FLOAT_FORMAT, check_header, header, require
+from .vectors import boundary_gap, json_params
+
+__all__ = ["DEFAULT_E2E_TOLERANCE", "EndToEnd", "prompt_tokens", "read_end_to_end", "run_end_to_end",
+           "write_end_to_end"]
+
+#: rtol per dtype for logits and for score ties; atol = rtol * max(1, largest finite |value|).
+DEFAULT_E2E_TOLERANCE = {"float64": 1e-8, "float32": 1e-4}
+
+REFERENCE_ARRAYS = ("prompt", "kept", "kept_count", "candidates", "candidate_count", "scores", "protected",
+                    "logits")
+CANDIDATE_ARRAYS = ("kept", "kept_count", "logits")
+
+PROMPT_RULE = "numpy.random.default_rng(seed).integers(0, vocab_size, length)"
+WEIGHTS_RULE = "refkv.model.random_weights(config, seed, dtype) (export: refkv golden weights)"
+
+
+def prompt_tokens(seed: int, length: int, vocab_size: int) -> np.ndarray:
+    """The seeded prompt of an end-to-end golden (``PROMPT_RULE``)."""
+    return np.random.default_rng(seed).integers(0, vocab_size, length).astype(np.int64)
+
+
+class _Recorder:
+    """Stands in for the engine's policy and logs every eviction it is asked to make."""
+
+    def __init__(self, policy: Policy, engine: Engine, log: dict):
+        self._policy, self._engine, self._log = policy, engine, log
+
+    def __getattr__(self, name):
+        return getattr(self._policy, name)
+
+    def keep_indices(self, view, budget):
+        block = len(self._engine.trace.kept)
+        key = (block, view.layer)
+        if key in self._log:
+            raise RuntimeError(f"two evictions in block {block}, layer {view.layer}")
+        kept = self._policy.keep_indices(view, budget)
+        self._log[key] = (view.positions.copy(), np.asarray(self._policy.score(view), dtype=np.float64),
+                          np.asarray(self._policy.protected(view), dtype=bool), np.asarray(kept))
+        return kept
+
+
+def _tolerance(dtype, values) -> dict:
+    rtol = DEFAULT_E2E_TOLERANCE[np.dtype(dtype).name]
+    v = np.abs(np.asarray(values, dtype=np.float64))
+    v = v[np.isfinite(v)]
+    return {"rtol": rtol, "atol": rtol * max(1.0, float(v.max()) if v.size else 1.0)}
+
+
+def _pad(rows, width, fill, dtype):
+    out = np.full((len(rows), width), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
+def run_end_to_end(policy: Policy, *, budget: int | None, block_size: int | None, dtype="float64",
+                   prompt_length: int = 40, model_seed: int = 0, prompt_seed: int = 1) -> tuple[dict, dict]:
+    """Run the built-in model under ``policy`` and record a golden.
+
+    Returns
+    -------
+    manifest : dict
+        Without the ``arrays`` entry (added by :func:`write_end_to_end`).
+    arrays : dict of str to ndarray
+
+    Raises
+    ------
+    ValueError
+        If the policy refuses the budget or the block size (the engine's errors).
+    """
+    model = builtin_model(seed=model_seed, dtype=dtype)
+    cfg = model.config
+    prompt = prompt_tokens(prompt_seed, prompt_length, cfg.vocab_size)
+    engine = Engine(model, policy, budget, record=True)
+    log: dict = {}
+    engine.policy = _Recorder(policy, engine, log)
+    logits = engine.prefill(prompt, block_size)
+    n_blocks = len(engine.trace.kept)
+    if n_blocks != len(blocks(prompt, block_size)):
+        raise RuntimeError("the trace does not hold one entry per block")
+
+    hkv, n_layers = cfg.n_kv_heads, cfg.n_layers
+    kept_width = max(k.shape[1] for per_block in engine.trace.kept for k in per_block)
+    cand_width = max((entry[0].shape[1] for entry in log.values()), default=0)
+    kept = np.full((n_blocks, n_layers, hkv, kept_width), -1, dtype=np.int64)
+    kept_count = np.zeros((n_blocks, n_layers), dtype=np.int64)
+    candidates = np.full((n_blocks, n_layers, hkv, cand_width), -1, dtype=np.int64)
+    candidate_count = np.zeros((n_blocks, n_layers), dtype=np.int64)
+    scores = np.full((n_blocks, n_layers, hkv, cand_width), np.nan)
+    protected = np.zeros((n_blocks, n_layers, hkv, cand_width), dtype=bool)
+    closest = None
+    for b, per_block in enumerate(engine.trace.kept):
+        for layer, positions in enumerate(per_block):
+            kept[b, layer, :, :positions.shape[1]] = positions
+            kept_count[b, layer] = positions.shape[1]
+            if (b, layer) not in log:
+                continue
+            cand, s, prot, cols = log[(b, layer)]
+            c = cand.shape[1]
+            candidates[b, layer, :, :c] = cand
+            candidate_count[b, layer] = c
+            scores[b, layer, :, :c] = s
+            protected[b, layer, :, :c] = prot
+            for h, gap in enumerate(boundary_gap(s, cols, prot)):
+                if gap is not None and (closest is None or gap < closest["gap"]):
+                    closest = {"block": b, "layer": layer, "head": h, "gap": gap}
+
+    tol_scores = _tolerance(dtype, scores)
+    manifest = {
+        **header(E2E_SCHEMA),
+        "float_format": FLOAT_FORMAT,
+        "dtype": np.dtype(dtype).name,
+        "model": {"name": cfg.name, "config": cfg.to_dict(), "seed": model_seed, "weights": WEIGHTS_RULE},
+        "prompt": {"length": prompt_length, "seed": prompt_seed, "rule": PROMPT_RULE},
+        "policy": {"name": policy.name, "params": json_params(policy.params()), "needs": sorted(policy.needs),
+                   "evict_before_attention": bool(policy.evict_before_attention)},
+        "budget": budget,
+        "block_size": block_size,
+        "n_blocks": n_blocks,
+        "evictions": int((candidate_count > 0).sum()),
+        "tolerance": {"logits": _tolerance(dtype, logits), "scores": tol_scores},
+        "closest_call": closest,
+    }
+    arrays = {"prompt": prompt, "kept": kept, "kept_count": kept_count, "candidates": candidates,
+              "candidate_count": candidate_count, "scores": scores, "protected": protected,
+              "logits": np.asarray(logits)}
+    return manifest, arrays
+
+
+def write_end_to_end(json_path, manifest: dict, arrays: dict) -> dict:
+    """Write the ``.npz`` (next to ``json_path``, same stem) and then the manifest; return it."""
+    json_path = Path(json_path)
+    npz_path = json_path.with_suffix(".npz")
+    data = write_npz(npz_path, arrays)
+    manifest = {**manifest, "arrays": {
+        "file": npz_path.name,
+        "sha256": sha256(data),
+        "contents": {name: {"dtype": a.dtype.name, "shape": list(a.shape)} for name, a in sorted(arrays.items())},
+    }}
+    write_json(json_path, manifest)
+    return manifest
+
+
+@dataclass(frozen=True)
+class EndToEnd:
+    """An end-to-end golden read back: its manifest and its arrays."""
+
+    path: str
+    manifest: dict
+    arrays: dict
+
+    @property
+    def label(self) -> str:
+        m = self.manifest
+        pol = m.get("policy", {}).get("name", "?")
+        return f"{pol} N={m.get('budget')} B={m.get('block_size')} {m.get('dtype', '')}".strip()
+
+
+def read_end_to_end(path, *, candidate: bool = False) -> EndToEnd:
+    """Read and validate an end-to-end golden (the JSON manifest; the npz beside it).
+
+    Parameters
+    ----------
+    path : path-like
+        The manifest.
+    candidate : bool
+        A candidate's golden: only ``kept``, ``kept_count`` and ``logits`` are required.
+
+    Raises
+    ------
+    ValueError
+        For an unknown schema version, a missing field or array, a checksum mismatch, or
+        arrays whose shape or dtype disagree with the manifest or with each other.
+    """
+    path = Path(path)
+    where = str(path)
+    m = read_json(path)
+    check_header(m, E2E_SCHEMA, where)
+    index = require(m, "arrays", where)
+    npz_path = path.parent / require(index, "file", f"{where}: arrays")
+    contents = require(index, "contents", f"{where}: arrays")
+    arrays = read_npz(npz_path)
+    if "sha256" in index and not candidate:  # a candidate may reuse the reference's manifest
+        actual = sha256(npz_path.read_bytes())
+        if actual != index["sha256"]:
+            raise ValueError(f"{npz_path}: checksum mismatch: the manifest says sha256 {index['sha256']}, "
+                             f"the file has {actual} (regenerate, or restore the file)")
+    required = CANDIDATE_ARRAYS if candidate else REFERENCE_ARRAYS
+    for name in required:
+        if name not in arrays:
+            raise ValueError(f"{npz_path}: missing array {name!r}")
+        if name not in contents:
+            raise ValueError(f"{where}: missing field 'arrays.contents.{name}'")
+    for name, a in arrays.items():
+        if name not in contents:
+            continue
+        spec = contents[name]
+        declared = tuple(require(spec, "shape", f"{where}: arrays.contents.{name}"))
+        if a.shape != declared:
+            raise ValueError(f"{npz_path}: shape mismatch: array {name!r} has shape {a.shape}, "
+                             f"the manifest says {declared}")
+        if a.dtype.name != require(spec, "dtype", f"{where}: arrays.contents.{name}"):
+            raise ValueError(f"{npz_path}: array {name!r} has dtype {a.dtype}, the manifest says {spec['dtype']}")
+    if candidate:
+        return EndToEnd(where, m, arrays)
+
+    for key in ("dtype", "model", "prompt", "policy", "budget", "block_size", "n_blocks", "tolerance"):
+        require(m, key, where)
+    cfg = require(m["model"], "config", f"{where}: model")
+    n_layers = require(cfg, "n_layers", f"{where}: model.config")
+    hkv = require(cfg, "n_kv_heads", f"{where}: model.config")
+    vocab = require(cfg, "vocab_size", f"{where}: model.config")
+    nb = m["n_blocks"]
+    lead = (nb, n_layers)
+    checks = {"kept": (*lead, hkv), "kept_count": lead, "candidates": (*lead, hkv), "candidate_count": lead,
+              "scores": (*lead, hkv), "protected": (*lead, hkv), "logits": (vocab,),
+              "prompt": (require(m["prompt"], "length", f"{where}: prompt"),)}
+    for name, expected in checks.items():
+        got = arrays[name].shape[:len(expected)]
+        if got != expected:
+            raise ValueError(f"{npz_path}: shape mismatch: array {name!r} must start with {expected} "
+                             f"(blocks, layers, KV heads from the manifest), got {arrays[name].shape}")
+    width = arrays["candidates"].shape[-1]
+    if arrays["scores"].shape[-1] != width or arrays["protected"].shape[-1] != width:
+        raise ValueError(f"{npz_path}: shape mismatch: candidates, scores and protected must share their last axis")
+    if arrays["logits"].dtype.name != m["dtype"]:
+        raise ValueError(f"{npz_path}: logits have dtype {arrays['logits'].dtype}, the manifest's dtype is "
+                         f"{m['dtype']}")
+    for key in ("logits", "scores"):
+        tol = require(m["tolerance"], key, f"{where}: tolerance")
+        for t in ("rtol", "atol"):
+            require(tol, t, f"{where}: tolerance.{key}")
+    return EndToEnd(where, m, arrays)
+
+
+def policy_from_manifest(manifest: dict) -> Policy:
+    """The policy an end-to-end golden was generated with."""
+    from ..policies import get
+    from .vectors import python_params
+
+    return get(manifest["policy"]["name"], **python_params(manifest["policy"]["params"]))
+
+
+
+def export_weights(path, *, seed: int = 0, dtype="float64") -> dict:
+    """Write the built-in model's weights as ``path`` (.npz) plus a JSON manifest beside it.
+
+    For candidates that run the end-to-end goldens without refkv: array names are
+    ``embed``, ``final_norm``, ``layers.<i>.<name>`` (``attn_norm``, ``wq``, ``wk``, ``wv``,
+    ``wo``, ``mlp_norm``, ``w_gate``, ``w_up``, ``w_down``) and ``lm_head`` when untied.
+    Projections are ``(in, out)`` and applied as ``x @ W``; RoPE rotates dimension ``i``
+    with ``i + d_head/2`` ("rotate half"); see :mod:`refkv.model`.
+    """
+    from dataclasses import fields as dc_fields
+
+    path = Path(path)
+    if path.suffix != ".npz":
+        raise ValueError(f"the weights file must end in .npz, got {path.name}")
+    model = builtin_model(seed=seed, dtype=dtype)
+    w = model.weights
+    arrays = {"embed": w.embed, "final_norm": w.final_norm}
+    if w.lm_head is not None:
+        arrays["lm_head"] = w.lm_head
+    for i, layer in enumerate(w.layers):
+        for f in dc_fields(layer):
+            arrays[f"layers.{i}.{f.name}"] = getattr(layer, f.name)
+    data = write_npz(path, arrays)
+    manifest = {
+        **header("refkv-weights"),
+        "dtype": np.dtype(dtype).name,
+        "model": {"name": model.config.name, "config": model.config.to_dict(), "seed": seed, "weights": WEIGHTS_RULE},
+        "conventions": ["projections are (in_features, out_features), applied as x @ W",
+                        "RoPE rotates dimension i with dimension i + d_head/2 of each head (rotate half)",
+                        "query head h belongs to KV head h // (n_heads / n_kv_heads)",
+                        "lm_head absent: tied to embed (logits = h @ embed.T)"],
+        "arrays": {"file": path.name, "sha256": sha256(data),
+                   "contents": {k: {"dtype": a.dtype.name, "shape": list(a.shape)} for k, a in sorted(arrays.items())}},
+    }
+    write_json(path.with_suffix(".json"), manifest)
+    return manifest

@@ -1,0 +1,208 @@
+"""Synthetic KV caches, adversarial edits, and a one-layer replay of the engine.
+
+Used by the golden-suite generator (seeded NumPy) and by
+:mod:`refkv.testing.strategies` (hypothesis), so both build their cases the same way.
+
+:func:`replay` runs one layer of block prompt processing on given per-token queries,
+keys and values, in the engine's order (:mod:`refkv.engine`): evict before attention
+(for ``evict_before_attention`` policies), append, attend, observe, evict. It returns the
+:class:`~refkv.policies.View` of the *last* block's eviction, with the per-token state a
+policy accumulated over the earlier blocks, so a stateful policy (H2O, HashEvict, MAT,
+Scissorhands) is tested on state it produced itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..attention import attend
+from ..cache import LayerCache
+from ..model.config import ModelConfig
+from ..policies import Policy, View
+
+__all__ = [
+    "Tokens",
+    "config_for",
+    "duplicate_key",
+    "huge_logits",
+    "max_abs_logit",
+    "near_duplicate_key",
+    "random_tokens",
+    "replay",
+    "zero_key",
+]
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Per-token tensors of one layer, after RoPE.
+
+    Attributes
+    ----------
+    queries : (H, T, d)
+    keys, values : (Hkv, T, d)
+    """
+
+    queries: np.ndarray
+    keys: np.ndarray
+    values: np.ndarray
+
+    def __post_init__(self):
+        h, t, d = self.queries.shape
+        hkv = self.keys.shape[0]
+        if self.keys.shape != (hkv, t, d) or self.values.shape != (hkv, t, d):
+            raise ValueError(f"keys and values must have shape (Hkv, {t}, {d}) like the queries' (H, T, d) "
+                             f"= {self.queries.shape}; got {self.keys.shape} and {self.values.shape}")
+        if hkv < 1 or h % hkv:
+            raise ValueError(f"query heads ({h}) must be a positive multiple of KV heads ({hkv})")
+        if not (self.queries.dtype == self.keys.dtype == self.values.dtype):
+            raise ValueError("queries, keys and values must share one dtype")
+
+    @property
+    def n_tokens(self) -> int:
+        return self.queries.shape[1]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.queries.dtype
+
+
+def random_tokens(rng: np.random.Generator, n_heads: int, n_kv_heads: int, d_head: int, n_tokens: int,
+                  dtype=np.float64, grid: int = 64) -> Tokens:
+    """Standard normal tensors rounded to multiples of ``1 / grid``.
+
+    Rounding to a power-of-two grid makes every input exactly representable in float32
+    and float64 alike, with a short decimal form (small golden files).
+    """
+    def draw(heads):
+        x = rng.standard_normal((heads, n_tokens, d_head))
+        return (np.round(x * grid) / grid).astype(dtype)
+
+    return Tokens(draw(n_heads), draw(n_kv_heads), draw(n_kv_heads))
+
+
+# -- adversarial edits (each returns a new Tokens) ------------------------------------------
+def zero_key(tokens: Tokens, head: int, index: int) -> Tokens:
+    """Set key ``index`` of KV head ``head`` to the zero vector."""
+    keys = tokens.keys.copy()
+    keys[head, index] = 0
+    return replace(tokens, keys=keys)
+
+
+def duplicate_key(tokens: Tokens, head: int, source: int, target: int) -> Tokens:
+    """Copy token ``source``'s key and value onto token ``target`` (KV head ``head``)."""
+    keys, values = tokens.keys.copy(), tokens.values.copy()
+    keys[head, target] = keys[head, source]
+    values[head, target] = values[head, source]
+    return replace(tokens, keys=keys, values=values)
+
+
+def near_duplicate_key(tokens: Tokens, head: int, source: int, target: int, delta: float) -> Tokens:
+    """Token ``target``'s key becomes ``source``'s plus ``delta`` on its first coordinate.
+
+    Key-based scores of the two tokens then differ by O(delta): a near tie.
+    """
+    keys = duplicate_key(tokens, head, source, target).keys
+    keys[head, target, 0] += delta
+    return replace(tokens, keys=keys)
+
+
+def huge_logits(tokens: Tokens, scale: float) -> Tokens:
+    """Multiply queries and keys by ``scale``: the logits grow by ``scale ** 2``."""
+    return replace(tokens, queries=tokens.queries * tokens.dtype.type(scale),
+                   keys=tokens.keys * tokens.dtype.type(scale))
+
+
+def max_abs_logit(queries: np.ndarray, keys: np.ndarray) -> float:
+    """Largest ``|q . k| / sqrt(d)`` between any query head and the keys of its KV head."""
+    h, _, d = queries.shape
+    hkv = keys.shape[0]
+    if keys.shape[1] == 0 or queries.shape[1] == 0:
+        return 0.0
+    qg = queries.reshape(hkv, h // hkv, -1, d).astype(np.float64)
+    logits = qg @ keys.astype(np.float64)[:, None].swapaxes(-1, -2) / float(np.sqrt(d))
+    return float(np.abs(logits).max())
+
+
+# -- one layer of the engine -----------------------------------------------------------------
+def config_for(n_heads: int, n_kv_heads: int, d_head: int, n_layers: int = 1) -> ModelConfig:
+    """A model config with these attention shapes (for ``policy.fields`` and ``policy.check``)."""
+    return ModelConfig(vocab_size=16, d_model=n_heads * d_head, n_layers=n_layers, n_heads=n_heads,
+                       n_kv_heads=n_kv_heads, d_head=d_head, d_ff=16, name="synthetic")
+
+
+def _view(layer, n_layers, cache, q, q_pos, k, v, weights, budget) -> View:
+    return View(layer=layer, n_layers=n_layers, keys=cache.keys, values=cache.values, positions=cache.positions,
+                fields=dict(cache.fields), queries=q, query_positions=q_pos, block_keys=k, block_values=v,
+                attention=weights, budget=budget)
+
+
+def replay(policy: Policy, tokens: Tokens, *, block_size: int, budget: int, layer: int = 0,
+           n_layers: int = 1) -> View:
+    """Block prompt processing of ``tokens`` through one layer; the last block's eviction view.
+
+    Parameters
+    ----------
+    policy : Policy
+    tokens : Tokens
+        The layer's queries, keys and values for every prompt token.
+    block_size : int
+        ``B``; the last block may be shorter.
+    budget : int
+        ``N``.
+    layer, n_layers : int
+        What the view reports (layer-dependent policies such as MAT read them).
+
+    Returns
+    -------
+    View
+        The view the engine passes to ``policy.keep_indices`` at the last block, with
+        ``view.budget`` the number of tokens that eviction keeps (``N``, or ``N - B``
+        before attention). If the last block needs no eviction the view is the one the
+        engine would have used had it evicted.
+
+    Raises
+    ------
+    ValueError
+        If the policy refuses ``budget`` (``policy.check``) or the block size.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
+        raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+    if not 0 <= layer < n_layers:
+        raise ValueError(f"layer must be in [0, {n_layers - 1}], got {layer}")
+    h, t, d = tokens.queries.shape
+    hkv = tokens.keys.shape[0]
+    config = config_for(h, hkv, d, n_layers)
+    policy.check(budget, config)
+    before = policy.evict_before_attention
+    if before and block_size > budget:
+        raise ValueError(f"block size must be <= budget={budget} for {policy.name}, which evicts before "
+                         f"attention; got {block_size}")
+    want_weights = "attention" in policy.needs
+    cache = LayerCache(hkv, d, tokens.dtype, policy.fields(config))
+    for start in range(0, t, block_size):
+        stop = min(start + block_size, t)
+        last = stop == t
+        q, k, v = tokens.queries[:, start:stop], tokens.keys[:, start:stop], tokens.values[:, start:stop]
+        q_pos = np.arange(start, stop, dtype=np.int64)
+        b = stop - start
+        if before and (last or len(cache) + b > budget):
+            view = _view(layer, n_layers, cache, q, q_pos, k, v, None, budget - b)
+            if last:
+                return view
+            cache.keep(policy.keep_indices(view, budget - b))
+        cache.append(k, v)
+        _, weights = attend(q, cache.keys, cache.values, q_pos, cache.positions, return_weights=want_weights)
+        observed = _view(layer, n_layers, cache, q, q_pos, k, v, weights, budget)
+        for name, array in policy.observe(observed).items():
+            cache.set_field(name, array)
+        view = _view(layer, n_layers, cache, q, q_pos, k, v, weights, budget)
+        if last:
+            return view
+        if len(cache) > budget:
+            cache.keep(policy.keep_indices(view, budget))
+    raise ValueError("tokens must hold at least one token")

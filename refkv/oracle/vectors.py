@@ -1,0 +1,496 @@
+"""Score-function test vectors: one JSON file per policy, cases grouped by parameters.
+
+A case is one eviction decision of one layer: the candidates' keys, values, positions
+and per-token state, the block's queries (and attention weights), the budget, and the
+reference outputs: the scores, the protected mask and the kept column indices.
+:func:`encode_case` turns a :class:`~refkv.policies.View` into a case; :class:`VectorCase`
+reads one back and rebuilds the view (:meth:`VectorCase.view`).
+
+Only what the policy reads is stored. The generator checks that claim: it recomputes the
+outputs from a view where every array it did not store is NaN (and attention is
+``None``); if they differ, it stores every input (see ``docs/oracle/format.rst``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..policies import Policy, View
+from ..policies import get as get_policy
+from .schema import (
+    FLAGS,
+    FLOAT_FORMAT,
+    VECTORS_SCHEMA,
+    check_header,
+    decode_array,
+    encode_array,
+    header,
+    require,
+)
+from .synthetic import max_abs_logit
+
+__all__ = [
+    "DEFAULT_TOLERANCE",
+    "VectorCase",
+    "VectorFile",
+    "boundary_gap",
+    "case_flags",
+    "encode_case",
+    "read_vectors",
+    "tolerance_for",
+    "vectors_document",
+]
+
+#: Relative tolerance of score comparisons per dtype; the absolute tolerance is the same
+#: number times ``max(1, largest finite |score|)`` (see :func:`tolerance_for`).
+DEFAULT_TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
+
+# Signals -> the stored inputs that carry them (positions and fields are always stored).
+_SIGNAL_INPUTS = {"keys": ("keys", "block_keys"), "values": ("values", "block_values"),
+                  "queries": ("queries",), "attention": ("attention",), "positions": ()}
+_ALL_INPUTS = ("keys", "values", "block_keys", "block_values", "queries", "attention")
+STAGES = ("after-attention", "before-attention")
+
+
+def tolerance_for(dtype, scores: np.ndarray) -> dict:
+    """The per-case tolerance: ``rtol`` by dtype, ``atol = rtol * max(1, max |finite score|)``.
+
+    An absolute floor scaled by the scores' magnitude covers scores near zero (a cosine
+    close to 0 has an error of order ``eps * 1``, not ``eps * |cos|``).
+    """
+    rtol = DEFAULT_TOLERANCE[np.dtype(dtype).name]
+    finite = np.abs(np.asarray(scores, dtype=np.float64))
+    finite = finite[np.isfinite(finite)]
+    scale = max(1.0, float(finite.max())) if finite.size else 1.0
+    return {"rtol": rtol, "atol": rtol * scale}
+
+
+def boundary_gap(scores: np.ndarray, kept: np.ndarray, protected: np.ndarray) -> list[float | None]:
+    """Per KV head: lowest kept unprotected score minus highest evicted score (None if no boundary).
+
+    ``0.0`` means an exact tie decided by the tie rule; equal infinities count as a tie.
+    """
+    gaps: list[float | None] = []
+    n = scores.shape[1]
+    for h in range(scores.shape[0]):
+        kept_mask = np.zeros(n, dtype=bool)
+        kept_mask[kept[h]] = True
+        inside = scores[h][kept_mask & ~protected[h]]
+        outside = scores[h][~kept_mask]
+        if inside.size == 0 or outside.size == 0:
+            gaps.append(None)
+            continue
+        low, high = float(inside.min()), float(outside.max())
+        gaps.append(0.0 if low == high else low - high)
+    return gaps
+
+
+def case_flags(view: View, scores: np.ndarray, protected: np.ndarray, kept: np.ndarray,
+               tolerance: dict, stage: str) -> list[str]:
+    """The flags a case has, detected from its inputs and outputs (never merely intended)."""
+    flags = []
+    h, hkv = view.queries.shape[0], view.n_kv_heads
+    flags.append("gqa" if h > hkv else "mha")
+    if len(view.query_positions) == 1:
+        flags.append("single-token")
+    if view.n <= kept.shape[1]:
+        flags.append("no-eviction")
+    finite = np.asarray(scores, dtype=np.float64)
+    for gap, row in zip(boundary_gap(finite, kept, protected), range(hkv)):
+        if gap is None:
+            continue
+        scale = np.abs(finite[row][np.isfinite(finite[row])])
+        threshold = tolerance["atol"] + tolerance["rtol"] * (float(scale.max()) if scale.size else 0.0)
+        if gap == 0.0 and "exact-tie" not in flags:
+            flags.append("exact-tie")
+        elif 0.0 < gap <= 1000 * threshold and "near-tie" not in flags:
+            flags.append("near-tie")
+    keys = np.concatenate([view.keys, view.block_keys], axis=1) if stage == "before-attention" else view.keys
+    if keys.size and np.any(np.all(keys == 0, axis=-1)):
+        flags.append("zero-norm-key")
+    if any(len(np.unique(keys[i], axis=0)) < keys.shape[1] for i in range(hkv)):
+        flags.append("duplicate-keys")
+    if max_abs_logit(view.queries, keys) > 30.0:
+        flags.append("huge-logits")
+    if view.fields:
+        flags.append("stateful")
+    if stage == "before-attention":
+        flags.append("before-attention")
+    if view.keys.dtype == np.float32:
+        flags.append("float32")
+    return flags
+
+
+def _outputs(policy: Policy, view: View) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    scores = np.asarray(policy.score(view))
+    protected = np.asarray(policy.protected(view), dtype=bool)
+    kept = np.asarray(policy.keep_indices(view, view.budget), dtype=np.int64)
+    return scores, protected, kept
+
+
+def _rebuilt(view: View, stored: set[str], stage: str, b: int) -> View:
+    """The view a reader rebuilds from a case storing only ``stored`` (via the JSON encoding)."""
+    inputs = {name: decode_array(encode_array(getattr(view, name)), name)
+              for name in ("positions", "query_positions", *sorted(stored))}
+    fields = {name: decode_array(encode_array(a), name) for name, a in view.fields.items()}
+    case = VectorCase(id=0, comment="", flags=(), params={}, dtype=view.keys.dtype.name, stage=stage,
+                      layer=view.layer, n_layers=view.n_layers, budget=view.budget,
+                      sizes={"n_heads": view.queries.shape[0], "n_kv_heads": view.n_kv_heads,
+                             "d_head": view.keys.shape[2], "n": view.n, "block": b},
+                      tolerance={}, inputs=inputs, fields=fields, outputs={})
+    return case.view()
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return all(x.shape == y.shape and np.array_equal(x, y, equal_nan=True) for x, y in zip(a, b))
+
+
+def encode_case(policy: Policy, view: View, *, case_id: int, comment: str, extra_flags=(),
+                tolerance: dict | None = None) -> dict:
+    """One JSON case from an eviction view; ``view.budget`` is the number of tokens kept.
+
+    Parameters
+    ----------
+    policy : Policy
+    view : View
+        As the engine (or :func:`refkv.oracle.synthetic.replay`) passes it to
+        ``policy.keep_indices``.
+    case_id : int
+    comment : str
+    extra_flags : iterable of str
+        Flags known from how the view was made (``"engine"``).
+    tolerance : dict, optional
+        ``{"rtol", "atol"}``; default :func:`tolerance_for`.
+    """
+    if view.budget is None:
+        raise ValueError("view.budget must be the number of tokens the eviction keeps, got None")
+    full = _outputs(policy, view)
+    scores, protected, kept = full
+    b = len(view.query_positions)
+    stage = "before-attention" if policy.evict_before_attention else "after-attention"
+    if stage == "after-attention" and not np.array_equal(view.keys[:, -b:], view.block_keys):
+        raise ValueError("after attention the block must be the last B columns of the cache")
+
+    wanted = {"positions"}
+    for signal in policy.needs:
+        wanted.update(_SIGNAL_INPUTS[signal])
+    stored = {name for name in wanted if name in _ALL_INPUTS}
+    if stage == "after-attention":  # the block is keys[:, -B:]: nothing to store twice
+        stored -= {"block_keys", "block_values"}
+    # The promise of the format: the outputs follow from the file alone. Rebuild the view
+    # from what would be written (through the JSON encoding) and recompute them.
+    try:
+        complete = _same(full, _outputs(policy, _rebuilt(view, stored, stage, b)))
+    except (ValueError, FloatingPointError):
+        complete = False
+    if not complete:  # the policy reads more than its `needs` declare: store everything
+        stored = set(_ALL_INPUTS) - ({"block_keys", "block_values"} if stage == "after-attention" else set())
+        if view.attention is None:
+            stored.discard("attention")
+
+    if tolerance is None:
+        tolerance = tolerance_for(view.keys.dtype, scores)
+    flags = [*case_flags(view, scores, protected, kept, tolerance, stage), *extra_flags]
+    inputs = {"positions": encode_array(view.positions), "query_positions": encode_array(view.query_positions)}
+    for name in _ALL_INPUTS:
+        if name in stored:
+            inputs[name] = encode_array(getattr(view, name))
+    inputs["fields"] = {name: encode_array(array) for name, array in sorted(view.fields.items())}
+    return {
+        "id": case_id,
+        "comment": comment,
+        "flags": flags,
+        "dtype": view.keys.dtype.name,
+        "stage": stage,
+        "layer": view.layer,
+        "n_layers": view.n_layers,
+        "budget": int(view.budget),
+        "sizes": {"n_heads": view.queries.shape[0], "n_kv_heads": view.n_kv_heads, "d_head": view.keys.shape[2],
+                  "n": view.n, "block": b},
+        "tolerance": {"rtol": float(tolerance["rtol"]), "atol": float(tolerance["atol"])},
+        "inputs": inputs,
+        "outputs": {"scores": encode_array(scores), "protected": encode_array(protected),
+                    "kept": encode_array(kept)},
+    }
+
+
+def json_params(params: dict) -> dict:
+    """Policy parameters in JSON form (tuples become lists); ValueError if not representable."""
+    def convert(x, where):
+        if x is None or isinstance(x, (bool, int, float, str)):
+            if isinstance(x, float) and not np.isfinite(x):
+                raise ValueError(f"parameter {where} is not finite: {x!r}")
+            return x
+        if isinstance(x, np.generic):
+            return convert(x.item(), where)
+        if isinstance(x, (list, tuple)):
+            return [convert(v, f"{where}[{i}]") for i, v in enumerate(x)]
+        if isinstance(x, dict):
+            return {str(k): convert(v, f"{where}.{k}") for k, v in x.items()}
+        raise ValueError(f"parameter {where} = {x!r} cannot be written to JSON")
+    return {k: convert(v, k) for k, v in params.items()}
+
+
+def python_params(params: dict) -> dict:
+    """Policy parameters from JSON: top-level lists become tuples (frozen dataclass fields)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+
+
+def vectors_document(policy_name: str, groups: list[tuple[dict, list[dict]]]) -> dict:
+    """A whole vectors file: the header, the flags' notes, and the groups of cases."""
+    from ..policies import policy_class
+
+    cls = policy_class(policy_name)
+    used = sorted({f for _, cases in groups for case in cases for f in case["flags"]})
+    n_cases = sum(len(cases) for _, cases in groups)
+    sample = get_policy(policy_name, **python_params(groups[0][0])) if groups else cls()
+    return {
+        **header(VECTORS_SCHEMA),
+        "float_format": FLOAT_FORMAT,
+        "policy": policy_name,
+        "summary": cls.summary,
+        "paper": cls.paper,
+        "needs": sorted(sample.needs),
+        "evict_before_attention": bool(sample.evict_before_attention),
+        "description": [
+            "Score-function test vectors: each case is one eviction decision of one layer.",
+            "Rebuild the View from inputs (arrays absent from inputs are not read by the policy), then",
+            "scores = policy.score(view), protected = policy.protected(view),",
+            "kept = policy.keep_indices(view, budget): column indices into the candidates, increasing.",
+            "Compare scores with |actual - expected| <= atol + rtol * |expected|; kept tokens may differ",
+            "from the expected ones only where the two tokens' expected scores are within that tolerance.",
+        ],
+        "notes": {flag: FLAGS[flag] for flag in used},
+        "number_of_cases": n_cases,
+        "groups": [{"params": params, "cases": cases} for params, cases in groups],
+    }
+
+
+@dataclass(frozen=True)
+class VectorCase:
+    """One test vector, read back from JSON.
+
+    Attributes
+    ----------
+    id : int
+    comment : str
+    flags : tuple of str
+    params : dict
+        The policy's parameters (the group's).
+    dtype : str
+    stage : str
+        ``"after-attention"`` or ``"before-attention"``.
+    layer, n_layers, budget : int
+    sizes : dict
+        ``n_heads``, ``n_kv_heads``, ``d_head``, ``n`` (candidates), ``block``.
+    tolerance : dict
+        ``rtol``, ``atol``.
+    inputs : dict of str to ndarray
+        The stored inputs (``fields`` excluded).
+    fields : dict of str to ndarray
+        Per-token state.
+    outputs : dict of str to ndarray
+        ``scores``, ``protected``, ``kept`` (a candidate file may hold only ``kept``).
+    """
+
+    id: int
+    comment: str
+    flags: tuple
+    params: dict
+    dtype: str
+    stage: str
+    layer: int
+    n_layers: int
+    budget: int
+    sizes: dict
+    tolerance: dict
+    inputs: dict = field(repr=False)
+    fields: dict = field(repr=False)
+    outputs: dict = field(repr=False)
+    policy_name: str = ""
+
+    def policy(self) -> Policy:
+        """The policy object this case was generated with."""
+        return get_policy(self.policy_name, **python_params(self.params))
+
+    def view(self) -> View:
+        """The :class:`~refkv.policies.View` of this case.
+
+        Inputs the file does not hold (the policy does not read them) are NaN arrays of
+        the right shape; attention is ``None`` when absent. After attention the block's
+        keys and values are the last ``block`` columns of ``keys`` and ``values``.
+        """
+        s = self.sizes
+        dtype = np.dtype(self.dtype)
+        hkv, n, d, b = s["n_kv_heads"], s["n"], s["d_head"], s["block"]
+
+        def get(name, shape):
+            return self.inputs[name] if name in self.inputs else np.full(shape, np.nan, dtype=dtype)
+
+        keys, values = get("keys", (hkv, n, d)), get("values", (hkv, n, d))
+        if self.stage == "after-attention":
+            block_keys, block_values = keys[:, n - b:], values[:, n - b:]
+        else:
+            block_keys, block_values = get("block_keys", (hkv, b, d)), get("block_values", (hkv, b, d))
+        return View(layer=self.layer, n_layers=self.n_layers, keys=keys, values=values,
+                    positions=self.inputs["positions"], fields=dict(self.fields),
+                    queries=get("queries", (s["n_heads"], b, d)), query_positions=self.inputs["query_positions"],
+                    block_keys=block_keys, block_values=block_values, attention=self.inputs.get("attention"),
+                    budget=self.budget)
+
+    @property
+    def label(self) -> str:
+        """``"policy case 7 [gqa, near-tie]"``: how reports name the case."""
+        return f"{self.policy_name} case {self.id} [{', '.join(self.flags)}]"
+
+
+@dataclass(frozen=True)
+class VectorFile:
+    """A vectors file: its header and its cases (in file order)."""
+
+    path: str
+    meta: dict
+    policy: str
+    cases: list
+
+    def case(self, case_id: int) -> VectorCase:
+        for c in self.cases:
+            if c.id == case_id:
+                return c
+        raise KeyError(case_id)
+
+
+def _int(obj, key, where, low=0):
+    value = require(obj, key, where)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{where}: {key} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _read_case(obj: dict, params: dict, policy: str, where: str, candidate: bool) -> VectorCase:
+    case_id = _int(obj, "id", where)
+    where = f"{where} (id {case_id})"
+    outputs_obj = require(obj, "outputs", where)
+    if candidate:
+        outputs = {name: decode_array(outputs_obj[name], f"{where}: outputs.{name}")
+                   for name in ("scores", "protected", "kept") if name in outputs_obj}
+        if "kept" not in outputs:
+            raise ValueError(f"{where}: missing field 'outputs.kept'")
+        return VectorCase(id=case_id, comment=obj.get("comment", ""), flags=tuple(obj.get("flags", ())),
+                          params=params, dtype=obj.get("dtype", ""), stage=obj.get("stage", ""),
+                          layer=obj.get("layer", 0), n_layers=obj.get("n_layers", 1), budget=obj.get("budget", 0),
+                          sizes=obj.get("sizes", {}), tolerance=obj.get("tolerance", {}), inputs={}, fields={},
+                          outputs=outputs, policy_name=policy)
+
+    dtype = require(obj, "dtype", where)
+    if dtype not in ("float32", "float64"):
+        raise ValueError(f"{where}: dtype must be 'float32' or 'float64', got {dtype!r}")
+    stage = require(obj, "stage", where)
+    if stage not in STAGES:
+        raise ValueError(f"{where}: stage must be one of {STAGES}, got {stage!r}")
+    n_layers = _int(obj, "n_layers", where, 1)
+    layer = _int(obj, "layer", where)
+    if layer >= n_layers:
+        raise ValueError(f"{where}: layer {layer} must be < n_layers {n_layers}")
+    budget = _int(obj, "budget", where)
+    sizes_obj = require(obj, "sizes", where)
+    sizes = {k: _int(sizes_obj, k, f"{where}: sizes", 0 if k == "n" else 1)
+             for k in ("n_heads", "n_kv_heads", "d_head", "n", "block")}
+    h, hkv, d, n, b = (sizes[k] for k in ("n_heads", "n_kv_heads", "d_head", "n", "block"))
+    if h % hkv:
+        raise ValueError(f"{where}: sizes.n_heads ({h}) must be a multiple of sizes.n_kv_heads ({hkv})")
+    tol_obj = require(obj, "tolerance", where)
+    tolerance = {}
+    for key in ("rtol", "atol"):
+        value = require(tol_obj, key, f"{where}: tolerance")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"{where}: tolerance.{key} must be a number >= 0, got {value!r}")
+        tolerance[key] = float(value)
+
+    inputs_obj = require(obj, "inputs", where)
+    shapes = {"positions": (hkv, n), "query_positions": (b,), "keys": (hkv, n, d), "values": (hkv, n, d),
+              "block_keys": (hkv, b, d), "block_values": (hkv, b, d), "queries": (h, b, d),
+              "attention": (hkv, h // hkv, b, n)}
+    inputs = {}
+    for name, shape in shapes.items():
+        if name in inputs_obj:
+            inputs[name] = decode_array(inputs_obj[name], f"{where}: inputs.{name}", shape=shape)
+        elif name in ("positions", "query_positions"):
+            raise ValueError(f"{where}: missing field 'inputs.{name}'")
+    for name in ("positions", "query_positions"):
+        if inputs[name].dtype.kind not in "iu":
+            raise ValueError(f"{where}: inputs.{name} must be integers, got {inputs[name].dtype}")
+    for name in ("keys", "values", "block_keys", "block_values", "queries", "attention"):
+        if name in inputs and inputs[name].dtype != np.dtype(dtype):
+            raise ValueError(f"{where}: inputs.{name} has dtype {inputs[name].dtype}, the case's dtype is {dtype}")
+    fields = {}
+    for name, enc in require(inputs_obj, "fields", where).items():
+        fields[name] = decode_array(enc, f"{where}: inputs.fields.{name}")
+        if fields[name].shape[:2] != (hkv, n):
+            raise ValueError(f"{where}: shape mismatch: inputs.fields.{name} must start with ({hkv}, {n}), "
+                             f"got {fields[name].shape}")
+    m = min(budget, n)
+    outputs = {
+        "scores": decode_array(require(outputs_obj, "scores", f"{where}: outputs"), f"{where}: outputs.scores",
+                               shape=(hkv, n)),
+        "protected": decode_array(require(outputs_obj, "protected", f"{where}: outputs"),
+                                  f"{where}: outputs.protected", shape=(hkv, n)),
+        "kept": decode_array(require(outputs_obj, "kept", f"{where}: outputs"), f"{where}: outputs.kept",
+                             shape=(hkv, m)),
+    }
+    if outputs["protected"].dtype != bool:
+        raise ValueError(f"{where}: outputs.protected must be bool, got {outputs['protected'].dtype}")
+    kept = outputs["kept"]
+    if kept.dtype.kind not in "iu" or (kept.size and (kept.min() < 0 or kept.max() >= n)):
+        raise ValueError(f"{where}: outputs.kept must be integer column indices in [0, {n - 1}]")
+    return VectorCase(id=case_id, comment=obj.get("comment", ""), flags=tuple(require(obj, "flags", where)),
+                      params=params, dtype=dtype, stage=stage, layer=layer, n_layers=n_layers, budget=budget,
+                      sizes=sizes, tolerance=tolerance, inputs=inputs, fields=fields, outputs=outputs,
+                      policy_name=policy)
+
+
+def read_vectors(path, *, candidate: bool = False) -> VectorFile:
+    """Read and validate a vectors file.
+
+    Parameters
+    ----------
+    path : path-like
+    candidate : bool
+        Read a candidate's file: only ``id`` and ``outputs.kept`` are required per case
+        (``outputs.scores`` and ``outputs.protected`` are compared when present).
+
+    Raises
+    ------
+    ValueError
+        For an unknown schema version, a missing field, a shape mismatch or a bad value;
+        the message names the file, the case and the field.
+    """
+    from .io import read_json
+
+    path = Path(path)
+    where = str(path)
+    doc = read_json(path)
+    check_header(doc, VECTORS_SCHEMA, where)
+    policy = require(doc, "policy", where)
+    groups = require(doc, "groups", where)
+    if not isinstance(groups, list):
+        raise ValueError(f"{where}: groups must be a list")
+    cases, seen = [], set()
+    for g, group in enumerate(groups):
+        gwhere = f"{where}: groups[{g}]"
+        params = require(group, "params", gwhere) if not candidate else group.get("params", {})
+        for i, case in enumerate(require(group, "cases", gwhere)):
+            c = _read_case(case, params, policy, f"{gwhere}.cases[{i}]", candidate)
+            if c.id in seen:
+                raise ValueError(f"{gwhere}.cases[{i}]: duplicate case id {c.id}")
+            seen.add(c.id)
+            cases.append(c)
+    if not candidate:
+        count = require(doc, "number_of_cases", where)
+        if count != len(cases):
+            raise ValueError(f"{where}: number_of_cases is {count} but the file holds {len(cases)} cases")
+    meta = {k: v for k, v in doc.items() if k != "groups"}
+    return VectorFile(path=where, meta=meta, policy=policy, cases=cases)
