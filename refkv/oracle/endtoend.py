@@ -3,22 +3,22 @@
 A golden is a JSON manifest (model config and seed, prompt rule, policy, ``N``, ``B``,
 tolerances, array index) beside an ``.npz`` of arrays:
 
-=================  ==============================  ======================================
-array              shape                           meaning
-=================  ==============================  ======================================
-``prompt``         (T,) int64                      the prompt's token ids
-``kept``           (blocks, L, Hkv, K) int64       positions each layer/head holds after
-                                                   each block, increasing, padded with -1
-``kept_count``     (blocks, L) int64               how many of ``kept`` are real
-``candidates``     (blocks, L, Hkv, C) int64       positions offered to the eviction of
-                                                   that block and layer, padded with -1
-``candidate_count`` (blocks, L) int64              0 where the layer did not evict
-``scores``         (blocks, L, Hkv, C) float64     the reference scores of the candidates
-                                                   (NaN padding; float32 and integer scores
-                                                   are exact in float64)
-``protected``      (blocks, L, Hkv, C) bool        the candidates the policy protected
-``logits``         (vocab,) model dtype            logits of the prompt's last token
-=================  ==============================  ======================================
+==================  ==============================  ======================================
+array               shape                           meaning
+==================  ==============================  ======================================
+``prompt``          (T,) int64                      the prompt's token ids
+``kept``            (blocks, L, Hkv, K) int64       positions each layer/head holds after
+                                                    each block, increasing, padded with -1
+``kept_count``      (blocks, L) int64               how many of ``kept`` are real
+``candidates``      (blocks, L, Hkv, C) int64       positions offered to the eviction of
+                                                    that block and layer, padded with -1
+``candidate_count`` (blocks, L) int64               0 where the layer did not evict
+``scores``          (blocks, L, Hkv, C) float64     the reference scores of the candidates
+                                                    (NaN padding; float32 and integer scores
+                                                    are exact in float64)
+``protected``       (blocks, L, Hkv, C) bool        the candidates the policy protected
+``logits``          (vocab,) model dtype            logits of the prompt's last token
+==================  ==============================  ======================================
 
 The per-decision scores are what makes the comparison tie-aware end to end: where a
 candidate keeps another token than the reference, the two tokens' reference scores are at
@@ -42,7 +42,7 @@ from .vectors import boundary_gap, json_params
 __all__ = ["DEFAULT_E2E_TOLERANCE", "EndToEnd", "prompt_tokens", "read_end_to_end", "run_end_to_end",
            "write_end_to_end"]
 
-#: rtol per dtype for logits and for score ties; atol = rtol * max(1, largest finite |value|).
+#: rtol per dtype for logits and for score ties; ``atol = rtol * max(1, largest finite |value|)``.
 DEFAULT_E2E_TOLERANCE = {"float64": 1e-8, "float32": 1e-4}
 
 REFERENCE_ARRAYS = ("prompt", "kept", "kept_count", "candidates", "candidate_count", "scores", "protected",
