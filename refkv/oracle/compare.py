@@ -170,6 +170,7 @@ class RetentionResult:
     ties: list = field(default_factory=list)
     failure: str | None = None
     swap: Swap | None = None
+    head: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -260,7 +261,7 @@ def compare_retention(actual, desired, scores, *, positions=None, protected=None
         if status == "tie":
             result.ties.append(swap)
         elif status == "fail":
-            result.failure, result.swap = message, swap
+            result.failure, result.swap, result.head = message, swap, h
             return result
     return result
 

@@ -29,6 +29,7 @@ __all__ = [
     "huge_logits",
     "max_abs_logit",
     "near_duplicate_key",
+    "plant_huge_logit",
     "random_tokens",
     "replay",
     "zero_key",
@@ -113,6 +114,22 @@ def huge_logits(tokens: Tokens, scale: float) -> Tokens:
     """Multiply queries and keys by ``scale``: the logits grow by ``scale ** 2``."""
     return replace(tokens, queries=tokens.queries * tokens.dtype.type(scale),
                    keys=tokens.keys * tokens.dtype.type(scale))
+
+
+def plant_huge_logit(tokens: Tokens, query_head: int, query_index: int, key_index: int,
+                     magnitude: float = 12.0) -> Tokens:
+    """Make one query-key logit large: both vectors become ``magnitude`` times the first axis.
+
+    The logit ``q . k / sqrt(d)`` is then ``magnitude ** 2 / sqrt(d)`` (36 for the default
+    and ``d = 16``), whatever the other inputs are.
+    """
+    q, k = tokens.queries.copy(), tokens.keys.copy()
+    kv_head = query_head // (q.shape[0] // k.shape[0])
+    q[query_head, query_index] = 0
+    q[query_head, query_index, 0] = magnitude
+    k[kv_head, key_index] = 0
+    k[kv_head, key_index, 0] = magnitude
+    return replace(tokens, queries=q, keys=k)
 
 
 def max_abs_logit(queries: np.ndarray, keys: np.ndarray) -> float:

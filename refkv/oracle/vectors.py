@@ -343,8 +343,12 @@ class VectorCase:
 
     @property
     def label(self) -> str:
-        """``"policy case 7 [gqa, near-tie]"``: how reports name the case."""
+        """``"keydiff case 7 [gqa, near-tie]"``: how reports name the case."""
         return f"{self.policy_name} case {self.id} [{', '.join(self.flags)}]"
+
+    def __str__(self) -> str:
+        """``"keydiff-7"``: a short id (for ``pytest.mark.parametrize(..., ids=str)``)."""
+        return f"{self.policy_name}-{self.id}"
 
 
 @dataclass(frozen=True)
