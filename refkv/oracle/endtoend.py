@@ -3,22 +3,22 @@
 A golden is a JSON manifest (model config and seed, prompt rule, policy, ``N``, ``B``,
 tolerances, array index) beside an ``.npz`` of arrays:
 
-==================  ==============================  ======================================
-array               shape                           meaning
-==================  ==============================  ======================================
-``prompt``          (T,) int64                      the prompt's token ids
-``kept``            (blocks, L, Hkv, K) int64       positions each layer/head holds after
-                                                    each block, increasing, padded with -1
-``kept_count``      (blocks, L) int64               how many of ``kept`` are real
-``candidates``      (blocks, L, Hkv, C) int64       positions offered to the eviction of
-                                                    that block and layer, padded with -1
-``candidate_count`` (blocks, L) int64               0 where the layer did not evict
-``scores``          (blocks, L, Hkv, C) float64     the reference scores of the candidates
-                                                    (NaN padding; float32 and integer scores
-                                                    are exact in float64)
-``protected``       (blocks, L, Hkv, C) bool        the candidates the policy protected
-``logits``          (vocab,) model dtype            logits of the prompt's last token
-==================  ==============================  ======================================
+====================  ==============================  ======================================
+array                 shape                           meaning
+====================  ==============================  ======================================
+``prompt``            (T,) int64                      the prompt's token ids
+``kept``              (blocks, L, Hkv, K) int64       positions each layer/head holds after
+                                                      each block, increasing, padded with -1
+``kept_count``        (blocks, L) int64               how many of ``kept`` are real
+``candidates``        (blocks, L, Hkv, C) int64       positions offered to the eviction of
+                                                      that block and layer, padded with -1
+``candidate_count``   (blocks, L) int64               0 where the layer did not evict
+``scores``            (blocks, L, Hkv, C) float64     the reference scores of the candidates
+                                                      (NaN padding; float32 and integer scores
+                                                      are exact in float64)
+``protected``         (blocks, L, Hkv, C) bool        the candidates the policy protected
+``logits``            (vocab,) model dtype            logits of the prompt's last token
+====================  ==============================  ======================================
 
 The per-decision scores are what makes the comparison tie-aware end to end: where a
 candidate keeps another token than the reference, the two tokens' reference scores are at
