@@ -10,7 +10,8 @@ from hypothesis.extra import numpy as hnp
 
 from refkv.lsh import gaussian_planes, hamming, hamming_unpacked, pack_codes, simhash, unpack_codes
 
-FLOATS = st.floats(-10, 10, allow_nan=False, allow_infinity=False, width=64)
+# Zero or 1e-6 <= |x| <= 10: far from the subnormal range, where scaling is not exact.
+FLOATS = st.one_of(st.just(0.0), st.builds(lambda m, s: m * s, st.floats(1e-6, 10), st.sampled_from([-1.0, 1.0])))
 
 
 def bits(shape):

@@ -1,5 +1,7 @@
 """HashEvict (Algorithm 1, Eqs. 2-6): SimHash Hamming scores, eviction before attention."""
 
+import doctest
+import pathlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -250,3 +252,9 @@ def test_engine_rejects_blocks_too_large(tiny64):
         Engine(tiny64, "hashevict", 16).prefill(np.arange(40), 13)
     with pytest.raises(ValueError, match="sink \\+ recent"):
         Engine(tiny64, "hashevict", 10)
+
+
+def test_docs_page_examples_run():
+    """The worked example of docs/policies/hashevict.rst runs as printed."""
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "policies" / "hashevict.rst"
+    assert doctest.testfile(str(page), module_relative=False).failed == 0

@@ -1,6 +1,8 @@
 """KeyDiff (Park et al. 2025): Eqs. 7-8, the anchor and metric variants, the reserve, the engine."""
 
+import doctest
 import math
+import pathlib
 
 import numpy as np
 import pytest
@@ -256,3 +258,9 @@ def test_engine_runs_attention_free(tiny64, tiny32, dtype_name, block):
         assert set(range(36, 40)) <= set(cache.positions[0])   # floor(0.25 * 16) = 4 latest
     new = engine.generate(logits, 5)
     assert len(new) == 5 and engine.stats.attention_materialised == 0
+
+
+def test_docs_page_examples_run():
+    """The worked example of docs/policies/keydiff.rst runs as printed."""
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "policies" / "keydiff.rst"
+    assert doctest.testfile(str(page), module_relative=False).failed == 0

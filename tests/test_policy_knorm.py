@@ -1,5 +1,8 @@
 """L2 / Knorm (Devoto et al. 2024): keep the keys of lowest L2 norm; skipped layers fall back to sink + window."""
 
+import doctest
+import pathlib
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -116,3 +119,9 @@ def test_engine_with_skipped_layers(tiny64, tiny32, dtype_name, block):
         np.testing.assert_array_equal(engine.caches[layer].positions, [[0, 1, 2, 3, *range(30, 36)]] * 2)
     for layer in (2, 3):
         assert engine.caches[layer].positions.shape == (2, 10)
+
+
+def test_docs_page_examples_run():
+    """The worked example of docs/policies/knorm.rst runs as printed."""
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "policies" / "knorm.rst"
+    assert doctest.testfile(str(page), module_relative=False).failed == 0

@@ -1,6 +1,8 @@
 """MAT (Managing Anchor Tokens), Algorithm 1, Eqs. 3-5: the closed form equals the streaming argmax eviction."""
 
+import doctest
 import math
+import pathlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -295,3 +297,9 @@ def test_engine_rejects_a_block_of_n(tiny64):
         Engine(tiny64, MAT(shallow_layers=0), 8).prefill(tokens, 8)
     with pytest.raises(ValueError, match="block size must be <= budget"):
         Engine(tiny64, "mat", 8).prefill(tokens, 9)
+
+
+def test_docs_page_examples_run():
+    """The worked example of docs/policies/mat.rst runs as printed."""
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "policies" / "mat.rst"
+    assert doctest.testfile(str(page), module_relative=False).failed == 0
