@@ -170,3 +170,13 @@ def test_invariants_for_any_budget_and_block(name, tiny64, data, length, seed):
     else:
         block = data.draw(st.one_of(st.none(), st.integers(1, 12)), label="block")
     check_run(name, tiny64, prompt(length, seed), budget, block)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BOUNDED)
+def test_runs_on_the_real_model(name, smollm2):
+    """SmolLM2-135M (30 layers, 9 query heads over 3 KV heads): the same invariants, one short run."""
+    budget = budget_for(name)
+    tokens = np.random.default_rng(4).integers(0, smollm2.config.vocab_size, budget + 8)
+    engine = check_run(name, smollm2, tokens, budget, 8)
+    assert engine.stats.evictions > 0

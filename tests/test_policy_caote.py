@@ -79,7 +79,14 @@ def test_dtypes():
         caote_scores(BASE, VALUES[:, :2])
 
 
-finite = st.floats(-3, 3, allow_nan=False)
+@pytest.mark.parametrize("magnitude", [1e-25, 1.0, 1e25])
+def test_float32_norm_neither_underflows_nor_overflows(magnitude):
+    """Squares of 1e-25 underflow and of 1e25 overflow in float32; the scores must not."""
+    values = (VALUES * magnitude).astype(np.float32)
+    for rule, expected in ((caote_scores, CAOTE), (fast_caote_scores, FAST)):
+        c = rule(BASE.astype(np.float32), values)
+        np.testing.assert_allclose(c, expected * magnitude, rtol=1e-6)
+
 
 
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(2, 12), d=st.integers(1, 6))

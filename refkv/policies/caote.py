@@ -69,9 +69,20 @@ def normalise(base_scores: np.ndarray) -> np.ndarray:
     return np.where(positive, scores / np.where(positive, total, 1.0), uniform)
 
 
+def _norm(x: np.ndarray) -> np.ndarray:
+    """Euclidean norm along the last axis, scaled by the largest entry first.
+
+    Squaring tiny (or huge) float32 entries directly would underflow to 0 (or overflow
+    to inf) long before the norm itself does.
+    """
+    scale = np.max(np.abs(x), axis=-1, keepdims=True, initial=0.0)
+    unit = x / np.where(scale > 0, scale, 1.0)
+    return scale[..., 0] * np.sqrt(np.sum(unit * unit, axis=-1))
+
+
 def _error_scores(a: np.ndarray, values: np.ndarray, output: np.ndarray) -> np.ndarray:
     """:math:`a_j / (1 - a_j) \\lVert o - v_j \\rVert_2`, with ``+inf`` where ``a_j = 1``."""
-    distance = np.sqrt(np.sum((output[..., None, :] - values) ** 2, axis=-1))
+    distance = _norm(output[..., None, :] - values)
     whole = a >= 1.0
     gain = a / np.where(whole, 1.0, 1.0 - a)
     return np.where(whole, np.inf, gain * distance)
