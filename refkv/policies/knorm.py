@@ -14,9 +14,10 @@ Notes
 * **Skipped layers.** The authors' code leaves the caches of ``skip_layers`` uncompressed
   (their example skips layers 0 and 1). Under refkv's per-layer budget ``N`` a layer cannot
   keep everything, so a skipped layer here falls back to StreamingLLM's rule instead: the
-  first ``skip_sink`` tokens and the most recent ``N - skip_sink`` (the :class:`~refkv.
-  policies.sink.Sink` policy). That is the norm-free rule that keeps the budget guarantee;
-  with ``N >= T`` nothing is evicted and the authors' behaviour is recovered.
+  first ``skip_sink`` tokens and the most recent ``N - skip_sink`` (the
+  :class:`~refkv.policies.sink.Sink` policy). That is the norm-free rule that keeps the
+  budget guarantee; with ``N >= T`` nothing is evicted and the authors' behaviour is
+  recovered.
 * **Ties.** Equal norms keep the more recent token (the shared tie rule); the authors sort
   with ``torch.argsort``, whose order of equal norms is unspecified.
 * **Budget.** The authors keep a ratio of the tokens once, after the prompt; refkv keeps
