@@ -153,6 +153,11 @@ def test_construction():
     assert Caote(base=SnapKV(window=4)).base_policy == SnapKV(window=4)
     assert get("caote", base="sink").needs == frozenset({"positions", "values"})
     assert "caote(base='snapkv', fast=True, base_params={'window': 4})" == policy.describe()
+    from_object = Caote(base=SnapKV(window=4, pooling="max"), fast=True)
+    params = from_object.params()
+    assert params == {"base": "snapkv", "fast": True,
+                      "base_params": {"window": 4, "kernel": 7, "pooling": "max"}}
+    assert get("caote", **params).base_policy == from_object.base_policy
 
 
 @pytest.mark.parametrize(("params", "match"), [

@@ -210,6 +210,13 @@ class Caote(Policy):
         """The wrapped policy object."""
         return self._base
 
+    def params(self) -> dict:
+        """Plain parameters: a base given as an object appears as its name and parameters,
+        so ``get("caote", **policy.params())`` rebuilds the same policy (and the dict is JSON)."""
+        if isinstance(self.base, Policy):
+            return {"base": self._base.name, "fast": self.fast, "base_params": self._base.params()}
+        return {"base": self.base, "fast": self.fast, "base_params": self.base_params}
+
     def check(self, budget: int, config: ModelConfig) -> None:
         self._base.check(budget, config)
 
