@@ -119,6 +119,14 @@ def _probability(name: str, p, *, open_low: bool = True, open_high: bool = True)
     return p
 
 
+def _norm(x: np.ndarray) -> float:
+    """Euclidean norm scaled by the largest entry, so squares neither underflow nor overflow."""
+    scale = float(np.max(np.abs(x))) if x.size else 0.0
+    if scale == 0.0:
+        return 0.0
+    return scale * float(np.sqrt(np.sum(np.square(x / scale))))
+
+
 def _softmax(logits: np.ndarray) -> np.ndarray:
     e = np.exp(logits - np.max(logits))
     return e / np.sum(e)
@@ -200,13 +208,14 @@ def eviction_errors(logits, values) -> np.ndarray:
     -----
     Recomputation subtracts two nearly equal vectors when ``a_j`` is tiny, so its absolute
     error is about ``eps * max_i ||v_i||`` whatever ``e_j`` is; compare against it with an
-    absolute tolerance of that size.
+    absolute tolerance of that size. The norm is scaled by the largest entry, so values as
+    small as 1e-300 do not underflow when squared.
     """
     logits = _vector("logits", logits, min_len=2)
     values = _matrix("values", values)
     n = logits.shape[0]
     full = attention_output(logits, values)
-    return np.array([np.linalg.norm(full - attention_output(logits, values, np.delete(np.arange(n), j)))
+    return np.array([_norm(full - attention_output(logits, values, np.delete(np.arange(n), j)))
                      for j in range(n)], dtype=full.dtype)
 
 

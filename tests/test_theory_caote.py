@@ -37,6 +37,11 @@ def logits_and_values(draw, logit_bound=15.0, value_bound=100.0, max_n=12, max_d
     return logits, values
 
 
+def _norm_bound(values):
+    """max_i ||v_i|| bounded from above without squaring (np.linalg.norm underflows below 1e-162)."""
+    return float(np.abs(values).max()) * float(np.sqrt(values.shape[-1]))
+
+
 def closed_form_tolerance(a, values, errors, eps):
     """Rounding budget of the closed form (measured constant ~3, allowed 4 n).
 
@@ -46,8 +51,10 @@ def closed_form_tolerance(a, values, errors, eps):
     itself carries an absolute error ~eps max||v||.
     """
     n = a.shape[-1]
-    vmax = float(np.linalg.norm(values, axis=-1).max())
-    return 4.0 * n * eps * ((vmax * a + errors) / (1.0 - a) + vmax)
+    vmax = _norm_bound(values)
+    # Below the normal range (1e-308 in float64) rounding is absolute, not relative: a floor.
+    floor = 1e-300 if eps == EPS64 else 1e-36
+    return 4.0 * n * eps * ((vmax * a + errors) / (1.0 - a) + vmax) + floor
 
 
 # -- Theorem 3.1 ---------------------------------------------------------------------------------
@@ -290,7 +297,7 @@ def test_fastcaote_equals_caote_when_weights_are_uniform(data, level):
     np.testing.assert_allclose(normalise(base), 1.0 / n, rtol=4 * EPS64)
     fast = fast_caote_scores(base, values)
     full = caote_scores(base, values)
-    vmax = float(np.linalg.norm(values, axis=-1).max())
+    vmax = _norm_bound(values)
     np.testing.assert_allclose(fast, full, rtol=0, atol=8 * n * EPS64 * max(vmax, 1e-300))
 
 
@@ -301,14 +308,16 @@ def test_fastcaote_differs_from_caote_by_at_most_the_output_shift(data):
     a = softmax(logits)
     assume(a.max() < 1.0)
     gain = a / (1.0 - a)
-    shift = np.linalg.norm(values.mean(axis=0) - a @ values)
+    difference = values.mean(axis=0) - a @ values
+    top = float(np.abs(difference).max())
+    shift = top * float(np.linalg.norm(difference / top)) if top > 0 else 0.0  # scaled: no underflow
     fast, full = fast_caote_scores(a, values), caote_scores(a, values)
     bound = gain * shift
     # The bound is attained when the vectors are collinear (d = 1), so allow the rounding of
     # all three quantities: relative eps / (1 - a_j) each, plus eps max||v|| / (1 - a_j).
     n = values.shape[0]
-    vmax = float(np.linalg.norm(values, axis=-1).max())
-    slack = 8.0 * n * EPS64 / (1.0 - a) * (bound + fast + full + vmax)
+    vmax = _norm_bound(values)
+    slack = 8.0 * n * EPS64 / (1.0 - a) * (bound + fast + full + vmax) + 1e-300
     assert np.all(np.abs(fast - full) <= bound + slack)
 
 
