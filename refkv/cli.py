@@ -14,6 +14,7 @@ import numpy as np
 
 from . import __version__, policies
 from .engine import Engine
+from .experiments.cli import add_experiment_command
 from .generation import add_generate_command
 from .oracle.cli import add_golden_command
 
@@ -115,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="refkv", description="Reference KV-cache eviction in NumPy.")
     parser.add_argument("--version", action="version", version=f"refkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_policies_command, add_run_command, add_generate_command, add_golden_command):
+    for add in (add_policies_command, add_run_command, add_generate_command, add_golden_command,
+                add_experiment_command):
         add(sub)
     return parser
 

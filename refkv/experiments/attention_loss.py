@@ -1,0 +1,366 @@
+"""Attention loss of a ranking (HashEvict App. D, Table 3) and attention-output error (CAOTE Fig. 3).
+
+Two kinds of cells share this experiment.
+
+**Attention loss ratio** (``kind="alr"``), on a dense pass over a prose prompt of ``T``
+tokens. Per layer ``l`` and KV head ``h``, the attention a key receives is the mean of
+its column of the (group-averaged) attention matrix over all ``T`` queries (HashEvict
+Eq. 8),
+
+.. math:: \\bar a_p = \\frac1T \\sum_{q} a_{q, p}, \\qquad \\textstyle\\sum_p \\bar a_p = 1 .
+
+A *ranking* is an order in which tokens are dropped. Dropping the first ``m`` costs
+:math:`L^m = \\sum_{i \\le m} \\bar a_{\\pi(i)}`; the ideal ranking (ascending
+:math:`\\bar a`) costs :math:`L^m_{ref}`. The attention loss ratio is HashEvict Eq. 7,
+
+.. math:: Y_{l,h} = \\sum_{m=1}^{T} \\left(L^m_{l,h} - L^m_{l,h,ref}\\right) \\ \\ge 0 ,
+
+reported divided by ``T`` (the mean gap of the cumulative loss curves, in [0, 1), so
+prompts of different lengths compare). The record also keeps HashEvict Table 3's
+*attention loss at a 50% budget*: the attention mass :math:`\\sum_p \\bar a_p` of the
+tokens a policy evicts when it keeps ``T/2`` (protected tokens included).
+
+Rankings: ``l2`` (drop the largest key norm first: Devoto et al.'s rule, App. D), ``lsh``
+(App. D's simulation of HashEvict: each key's SimHash Hamming distance to the queries
+of the tokens at or after it, averaged, largest dropped first), and every policy in the
+grid, ranked by its own score on a one-shot view of the whole prompt (all ``T``
+queries as the block; per-token state from the policy's ``observe``).
+
+**Output error** (``kind="output_error"``, CAOTE Fig. 3). The engine prefills ``T``
+prompt tokens under the policy (budget ``N``, block ``B``); then the ``M`` tokens that
+follow in the text are the queries. Per layer, with the dense run's queries, keys and
+values, their attention output over the kept prompt tokens plus the continuation
+(:math:`o_e`) is compared with the output over every token (:math:`o_d`):
+
+.. math:: e_l = \\operatorname{mean}_{\\text{heads}, \\text{queries}}
+          \\frac{\\lVert o_e - o_d \\rVert^2}{\\lVert o_d \\rVert^2} ,
+
+with the attention mass the continuation's dense queries put on evicted tokens beside it.
+
+Notes
+-----
+* **Which keys are "kept".** The kept *positions* are the engine's (chosen under
+  eviction, from its own, already perturbed hidden states); the vectors compared are
+  the dense run's at those positions. This isolates the error of the choice of tokens
+  from the error propagated through earlier layers, which is CAOTE's eviction error
+  (its Eq. 8 is per layer for given inputs).
+* **Ties** in a ranking drop the older token first (the shared tie rule: equal scores
+  keep the more recent token).
+* **LSH ranking.** App. D averages over "all tokens j > i"; refkv uses ``j >= i`` so the
+  last token has a query too. Query heads of a KV head's group are averaged. The text
+  of App. E.3 ranks "in ascending order of the average Hamming distance"; dropping the
+  *closest* keys first contradicts HashEvict's own rule (Eq. 5 keeps them), so refkv
+  drops the farthest first. SimHash signs do not depend on the vectors' norms, so
+  App. E's normalisation of keys and queries changes nothing.
+* A policy that cannot score a one-shot view (e.g. its budget check fails at ``T/2``)
+  gets an ``error`` entry instead of numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ..attention import attend, attention_weights
+from ..engine import Engine
+from ..policies import View
+from .common import (
+    FAST_CAOTE,
+    cached_capture,
+    canonical_spec,
+    default_policies,
+    format_spec_label,
+    load_model,
+    make_policy,
+    mean_std,
+    policy_error,
+    prose_tokens,
+    write_csv,
+)
+from .runner import Experiment, Settings, register_experiment
+
+__all__ = ["EXPERIMENT", "alr", "attention_received", "drop_order", "lsh_mean_distance", "one_shot_view",
+           "output_error"]
+
+# -- the quantities ------------------------------------------------------------------------
+def attention_received(weights: np.ndarray) -> np.ndarray:
+    """HashEvict Eq. 8: ``(Hkv, T, n)`` group-averaged weights -> ``(Hkv, n)`` column means."""
+    return weights.mean(axis=-2)
+
+
+def drop_order(scores: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Indices in the order they are dropped: lowest score first, ties older first. (Hkv, n)."""
+    return np.stack([np.lexsort((positions[h], scores[h])) for h in range(scores.shape[0])])
+
+
+def alr(abar: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """HashEvict Eq. 7 divided by ``n``: mean gap of the cumulative attention loss, per head."""
+    taken = np.take_along_axis(abar, order, axis=1).cumsum(axis=1)
+    ideal = np.sort(abar, axis=1).cumsum(axis=1)
+    return (taken - ideal).sum(axis=1) / abar.shape[1]
+
+
+def lsh_mean_distance(q: np.ndarray, k: np.ndarray, n_bits: int, seed: int) -> np.ndarray:
+    """Mean SimHash Hamming distance of each key to the queries at or after it (App. D).
+
+    Parameters
+    ----------
+    q : (H, T, d) queries; k : (Hkv, T, d) keys (both after RoPE)
+
+    Returns
+    -------
+    (Hkv, T) float64: for key ``i`` of KV head ``h``, the mean over the group's query
+    heads and over queries ``j >= i`` of ``d_H(h(q_j), h(k_i))``.
+    """
+    from ..lsh import gaussian_planes, simhash
+
+    n_kv, t, d = k.shape
+    planes = gaussian_planes(n_bits, d, seed, q.dtype)
+    # +-1 codes: Hamming distance = (c - s_q . s_k) / 2, one matmul instead of a bit loop.
+    sq = simhash(q, planes).astype(np.float64) * 2.0 - 1.0
+    sk = simhash(k, planes).astype(np.float64) * 2.0 - 1.0
+    sq = sq.reshape(n_kv, -1, t, n_bits)  # (Hkv, g, T, c)
+    distance = (n_bits - sq @ sk[:, None].swapaxes(-1, -2)) / 2.0  # (Hkv, g, Tq, Tk)
+    visible = np.tril(np.ones((t, t), dtype=bool))  # query j sees key i <= j
+    total = np.where(visible, distance, 0.0).sum(axis=(1, 2))
+    count = visible.sum(axis=0) * sq.shape[1]
+    return total / count
+
+
+def one_shot_view(policy, layer: int, config, capture, weights, budget: int) -> View:
+    """The whole prompt as one block: what ``policy`` would see evicting after a one-shot prefill."""
+    k, v, q = capture.k, capture.v, capture.q
+    n_kv, t, _ = k.shape
+    positions = np.broadcast_to(np.arange(t, dtype=np.int64), (n_kv, t)).copy()
+    fields = {name: np.full((n_kv, t, *spec.shape), spec.fill, dtype=spec.dtype)
+              for name, spec in policy.fields(config).items()}
+    view = View(layer=layer, n_layers=config.n_layers, keys=k, values=v, positions=positions, fields=fields,
+                queries=q, query_positions=positions[0].copy(), block_keys=k, block_values=v,
+                attention=weights if "attention" in policy.needs else None, budget=budget)
+    return replace(view, fields={**fields, **policy.observe(view)})
+
+
+def output_error(capture, kept_positions: np.ndarray, prompt_length: int) -> tuple[float, float]:
+    """CAOTE Fig. 3 for one layer: normalised squared output error and evicted attention mass.
+
+    Parameters
+    ----------
+    capture : LayerCapture over ``prompt_length + M`` tokens (dense)
+    kept_positions : (Hkv, N) prompt positions the evicting engine kept
+    prompt_length : int
+
+    Returns
+    -------
+    (mean ||o_e - o_d||^2 / ||o_d||^2, mean attention mass on evicted prompt tokens),
+    both averaged over query heads and the ``M`` continuation queries.
+    """
+    q, k, v = capture.q, capture.k, capture.v
+    n_kv, total, _ = k.shape
+    cont = np.arange(prompt_length, total, dtype=np.int64)
+    q_cont = q[:, prompt_length:]
+    all_pos = np.broadcast_to(np.arange(total, dtype=np.int64), (n_kv, total))
+    dense, weights = attend(q_cont, k, v, cont, all_pos, return_weights=True)
+    keep = np.concatenate([kept_positions, np.broadcast_to(cont, (n_kv, len(cont)))], axis=1)
+    k_e = np.take_along_axis(k, keep[:, :, None], axis=1)
+    v_e = np.take_along_axis(v, keep[:, :, None], axis=1)
+    evicted, _ = attend(q_cont, k_e, v_e, cont, keep)
+    d64, e64 = dense.astype(np.float64), evicted.astype(np.float64)
+    error = ((e64 - d64) ** 2).sum(axis=-1) / np.maximum((d64 ** 2).sum(axis=-1), 1e-30)
+    kept_mask = np.zeros((n_kv, total), dtype=bool)
+    np.put_along_axis(kept_mask, keep, True, axis=1)
+    lost = (weights.astype(np.float64) * ~kept_mask[:, None, None, :]).sum(axis=-1)
+    return float(error.mean()), float(lost.mean())
+
+
+# -- cells ---------------------------------------------------------------------------------
+def cells(settings: Settings) -> list[dict]:
+    """ALR cells (one per prompt) and output-error cells (prompt x policy x budget x block)."""
+    model = settings.resolved_model()
+    real = model != "tiny"
+    if settings.quick:
+        alr_length, segments = 128, (0,)
+        err_length, extra = (256 if real else 192), 16
+        policies, budgets, blocks = ["sink", "h2o", "caote:base=h2o", "keydiff"], [64], [32]
+    else:
+        alr_length, segments = 512, (0, 1, 2)
+        err_length, extra = 1024, 32
+        policies, budgets, blocks = default_policies(FAST_CAOTE), [256], [128]
+        if not real:
+            err_length, budgets = 512, [128]
+    policies = [canonical_spec(p) for p in (settings.policies or policies)]
+    budgets = list(settings.budgets or budgets)
+    blocks = list(settings.blocks or blocks)
+    base = {"model": model, "dtype": settings.dtype, "seed": settings.seed}
+    out = []
+    for segment in segments:
+        out.append({**base, "kind": "alr", "length": alr_length, "segment": segment, "lsh_bits": 16,
+                    "rankings": ["l2", "lsh", *[p for p in policies if p != "full"]]})
+    for segment in segments[:2]:
+        for policy in policies:
+            if policy == "full":
+                continue
+            for budget in budgets:
+                for block in blocks:
+                    out.append({**base, "kind": "output_error", "length": err_length, "continuation": extra,
+                                "segment": segment, "policy": policy, "budget": budget, "block": block})
+    return out
+
+
+def cost(params: dict) -> float:
+    """Roughly CPU seconds."""
+    if params["kind"] == "alr":
+        return params["length"] * 0.02 * (1 + len(params["rankings"]) / 8)
+    return params["length"] / 250.0 + 2.0
+
+
+def run_cell(params: dict) -> dict:
+    if params["kind"] == "alr":
+        return _run_alr(params)
+    if params["kind"] == "output_error":
+        return _run_output_error(params)
+    raise ValueError(f"kind must be 'alr' or 'output_error', got {params['kind']!r}")
+
+
+def _run_alr(params: dict) -> dict:
+    model, _ = load_model(params["model"], params["dtype"])
+    config = model.config
+    layers, _ = cached_capture(params["model"], params["dtype"], params["length"], params["segment"])
+    t = params["length"]
+    half = t // 2
+    positions = np.broadcast_to(np.arange(t, dtype=np.int64), (config.n_kv_heads, t))
+    results: dict[str, dict] = {name: {"alr": [], "loss50": []} for name in params["rankings"]}
+    ideal_loss = []
+    for layer, cap in enumerate(layers):
+        weights = attention_weights(cap.q, cap.k, positions[0], positions)  # (Hkv, g, T, T)
+        abar = attention_received(weights.mean(axis=1)).astype(np.float64)
+        ideal_loss.append(np.sort(abar, axis=1)[:, :t - half].sum(axis=1).tolist())
+        for name in params["rankings"]:
+            entry = results[name]
+            if "error" in entry:
+                continue
+            try:
+                scores, kept = _ranking(name, params, model, layer, cap, weights, half)
+            except ValueError as err:
+                results[name] = {"error": str(err)}
+                continue
+            entry["alr"].append(alr(abar, drop_order(scores, positions)).tolist())
+            lost = abar.sum(axis=1) - np.take_along_axis(abar, kept, axis=1).sum(axis=1)
+            entry["loss50"].append(lost.tolist())
+    return {"tokens": t, "rankings": results, "ideal_loss50": ideal_loss}
+
+
+def _ranking(name, params, model, layer, cap, weights, half):
+    """Scores (higher = keep) and the kept indices at budget T/2 of one ranking on one layer."""
+    positions = np.broadcast_to(np.arange(cap.k.shape[1], dtype=np.int64), cap.k.shape[:2])
+    if name == "l2":
+        scores = -np.linalg.norm(cap.k.astype(np.float64), axis=-1)
+    elif name == "lsh":
+        scores = -lsh_mean_distance(cap.q, cap.k, params["lsh_bits"], params["seed"])
+    else:
+        policy = make_policy(name)
+        policy.check(half, model.config)
+        view = one_shot_view(policy, layer, model.config, cap, weights, half)
+        scores = np.asarray(policy.score(view), dtype=np.float64)
+        return scores, policy.keep_indices(view, half)
+    from ..policies import select
+
+    return scores, select(scores, positions, half)
+
+
+def _run_output_error(params: dict) -> dict:
+    model, _ = load_model(params["model"], params["dtype"])
+    t, extra = params["length"], params["continuation"]
+    budget, block = params["budget"], params["block"]
+    reason = policy_error(params["policy"], budget, block, model.config)
+    if reason is not None:
+        return {"skipped": reason}
+    layers, _ = cached_capture(params["model"], params["dtype"], t + extra, params["segment"])
+    tokens = prose_tokens(params["model"], params["dtype"], t + extra, params["segment"])[:t]
+    engine = Engine(model, make_policy(params["policy"]), budget)
+    engine.prefill(tokens, block)
+    errors, lost = [], []
+    for cap, cache in zip(layers, engine.caches):
+        e, m = output_error(cap, cache.positions, t)
+        errors.append(e)
+        lost.append(m)
+    return {"error_by_layer": errors, "lost_attention_by_layer": lost,
+            "mean_error": float(np.mean(errors)), "mean_lost_attention": float(np.mean(lost))}
+
+
+# -- summary -------------------------------------------------------------------------------
+def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Path]:
+    """``alr.csv``, ``alr_by_layer.csv``, ``output_error.csv``, ``output_error_by_layer.csv`` and plots."""
+    written = []
+    alr_records = [r for r in records if r["params"]["kind"] == "alr"]
+    rows, by_layer = [], {}
+    names = list(dict.fromkeys(n for r in alr_records for n in r["result"]["rankings"]))
+    for name in names:
+        values, losses, errors = [], [], []
+        for r in alr_records:
+            entry = r["result"]["rankings"].get(name, {})
+            if "error" in entry:
+                errors.append(entry["error"])
+                continue
+            a = np.asarray(entry["alr"])  # (layers, heads)
+            values.append(a)
+            losses.append(np.asarray(entry["loss50"]))
+        if not values:
+            rows.append({"ranking": name, "label": _label(name), "error": errors[0] if errors else ""})
+            continue
+        a, loss = np.stack(values), np.stack(losses)  # (prompts, layers, heads)
+        by_layer[name] = a.mean(axis=(0, 2))
+        per_prompt = a.mean(axis=(1, 2))
+        rows.append({"ranking": name, "label": _label(name), "alr": float(a.mean()),
+                     "alr_prompt_std": mean_std(per_prompt)[1], "loss50": float(loss.mean()),
+                     "prompts": len(values)})
+    if alr_records:
+        ideal = np.mean([np.mean(r["result"]["ideal_loss50"]) for r in alr_records])
+        rows.append({"ranking": "ideal", "label": "ideal (ascending attention)", "alr": 0.0,
+                     "loss50": float(ideal), "prompts": len(alr_records)})
+    rows.sort(key=lambda r: r.get("alr", float("inf")))
+    written.append(write_csv(folder / "alr.csv", rows,
+                             ["ranking", "label", "alr", "alr_prompt_std", "loss50", "prompts", "error"]))
+    if by_layer:
+        layer_rows = [{"layer": i, **{n: float(v[i]) for n, v in by_layer.items()}}
+                      for i in range(len(next(iter(by_layer.values()))))]
+        written.append(write_csv(folder / "alr_by_layer.csv", layer_rows))
+
+    err_records = [r for r in records if r["params"]["kind"] == "output_error" and "skipped" not in r["result"]]
+    groups: dict[tuple, list[dict]] = {}
+    for r in err_records:
+        p = r["params"]
+        groups.setdefault((p["policy"], p["budget"], p["block"]), []).append(r)
+    rows, curves = [], {}
+    for (policy, budget, block), group in groups.items():
+        e = np.asarray([r["result"]["error_by_layer"] for r in group])
+        m = np.asarray([r["result"]["lost_attention_by_layer"] for r in group])
+        curves[(policy, budget, block)] = e.mean(axis=0)
+        rows.append({"policy": policy, "label": format_spec_label(policy), "budget": budget, "block": block,
+                     "mean_error": float(e.mean()), "error_prompt_std": mean_std(e.mean(axis=1))[1],
+                     "mean_lost_attention": float(m.mean()), "prompts": len(group),
+                     "wall_time_s": sum(r["wall_time_s"] for r in group)})
+    rows.sort(key=lambda r: (r["budget"], -1 if r["block"] is None else r["block"], r["mean_error"]))
+    written.append(write_csv(folder / "output_error.csv", rows))
+    if curves:
+        layer_rows = [{"layer": i, **{f"{format_spec_label(p)} N={n} B={b}": float(c[i])
+                                      for (p, n, b), c in curves.items()}}
+                      for i in range(len(next(iter(curves.values()))))]
+        written.append(write_csv(folder / "output_error_by_layer.csv", layer_rows))
+    from . import plots
+
+    written += plots.output_error_lines(curves, folder)
+    written += plots.alr_lines(by_layer, folder)
+    return written
+
+
+def _label(name: str) -> str:
+    fixed = {"l2": "L2 norm (Devoto et al.)", "lsh": "LSH mean Hamming (HashEvict App. D)"}
+    return fixed[name] if name in fixed else format_spec_label(name)
+
+
+EXPERIMENT = register_experiment(Experiment(
+    name="attention_loss",
+    title="attention loss ratio of rankings (HashEvict App. D) and output error per layer (CAOTE Fig. 3)",
+    cells=cells, run=run_cell, summarise=summarise, cost=cost))

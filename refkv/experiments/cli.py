@@ -1,0 +1,76 @@
+"""``refkv experiment NAME [--quick] [--jobs N] [--out DIR] [--policies ...] [--budgets ...]``."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+__all__ = ["add_experiment_command"]
+
+#: Experiment names the command accepts (``all`` runs every one).
+NAMES = ("passkey", "perplexity", "attention_loss", "geometry", "all")
+
+
+def _optional_int(text: str):
+    if text.lower() in ("none", "full", "inf"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer >= 1 or 'none', got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"expected an integer >= 1 or 'none', got {text!r}")
+    return value
+
+
+def add_experiment_command(sub) -> None:
+    """Add ``refkv experiment`` to the subcommands."""
+    p = sub.add_parser("experiment", help="run the small CPU experiments that re-test the papers' claims",
+                       description="Run (or resume) an experiment grid; results are appended to "
+                                   "OUT/NAME.jsonl, tables and plots go to OUT/NAME/.")
+    p.add_argument("name", choices=NAMES, help="experiment to run, or 'all'")
+    p.add_argument("--quick", action="store_true", help="the tiny grid (a minute or two)")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--out", default="results", help="results folder (default ./results)")
+    p.add_argument("--model", default=None,
+                   help="'tiny', 'smollm2' or a path (default: smollm2 when installed, else tiny)")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--policies", nargs="+", metavar="SPEC",
+                   help="policy specs replacing the defaults, e.g. sink keydiff caote:base=h2o")
+    p.add_argument("--budgets", nargs="+", metavar="N", help="budgets N (integers, or 'none')")
+    p.add_argument("--blocks", nargs="+", metavar="B", help="block sizes B (integers, or 'none' = one shot)")
+    p.add_argument("--seed", type=int, default=0, help="base seed of the grid (default 0)")
+    p.add_argument("--dry-run", action="store_true", help="list the cells still to run and exit")
+    p.add_argument("--no-summary", action="store_true", help="skip the tables and plots")
+    p.set_defaults(func=_cmd_experiment)
+
+
+def _cmd_experiment(args) -> int:
+    from .runner import Settings, experiment_names, get_experiment, plan, run
+
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    settings = Settings(
+        quick=args.quick, model=args.model, dtype=args.dtype,
+        policies=tuple(args.policies) if args.policies else None,
+        budgets=tuple(_optional_int(b) for b in args.budgets) if args.budgets else None,
+        blocks=tuple(_optional_int(b) for b in args.blocks) if args.blocks else None,
+        seed=args.seed)
+    names = experiment_names() if args.name == "all" else [args.name]
+    experiments = [get_experiment(n) for n in names]
+    if args.dry_run:
+        tasks, done = plan(experiments, settings, args.out)
+        for task in tasks:
+            print(f"{task.experiment}\t{task.cost:8.1f}\t{task.key}")
+        print(f"{len(tasks)} cells to run, {done} finished; estimated {sum(t.cost for t in tasks) / 60:.1f} "
+              f"core-minutes", file=sys.stderr)
+        return 0
+    start = time.perf_counter()
+    records = run(experiments, settings, out=args.out, jobs=args.jobs, summarise=not args.no_summary)
+    elapsed = time.perf_counter() - start
+    for name, recs in records.items():
+        cell_time = sum(r["wall_time_s"] for r in recs)
+        print(f"{name}: {len(recs)} cells, {cell_time:.0f} s of cell time -> {args.out}/{name}.jsonl, "
+              f"{args.out}/{name}/")
+    print(f"wall time {elapsed:.0f} s with --jobs {args.jobs}")
+    return 0

@@ -1,0 +1,293 @@
+"""Pieces every experiment shares: models, policy specs, text, dense captures, tables.
+
+Notes
+-----
+**Policy specs.** A policy is named on the command line and in the records by a *spec*:
+``name`` or ``name:param=value,param=value`` (values are Python literals, or plain words
+taken as strings), e.g. ``caote:base=h2o,fast=True``. :func:`canonical_spec` puts the
+parameters in sorted order so one policy has one spec (and one cell key).
+
+**Dense captures.** :func:`dense_capture` runs the model with no cache limit and keeps
+every layer's RoPE'd queries, keys and values. It is the same computation as
+:meth:`refkv.model.Model.forward_full` (a test checks the logits agree); the attention
+route is :func:`refkv.attention.attend` without weights, so nothing of size ``T x T``
+is kept. Experiments form attention weights per layer when they need them.
+
+**Text.** Real English prose is CPython's ``pydoc_data.topics``
+(:func:`refkv.model.sample_text.english_prose`), tokenised once; segment ``s`` of
+length ``T`` is tokens ``[s T, (s + 1) T)`` of that stream, so segments never overlap.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import csv
+import io
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import policies
+from ..attention import attend
+
+__all__ = [
+    "LayerCapture",
+    "cached_capture",
+    "canonical_spec",
+    "default_policies",
+    "dense_capture",
+    "format_spec_label",
+    "load_model",
+    "make_policy",
+    "parse_spec",
+    "prose_tokens",
+    "write_csv",
+]
+
+# The seeds' policies and the baselines they compare against, in the order tables list
+# them. Specs of policies not registered in this refkv are left out.
+EVICTING_POLICIES = ("sink", "tova", "h2o", "snapkv", "scissorhands", "knorm", "keydiff", "hashevict", "mat",
+                     "caote:base=h2o", "caote:base=tova", "caote:base=snapkv")
+FAST_CAOTE = ("caote:base=h2o,fast=True", "caote:base=tova,fast=True", "caote:base=snapkv,fast=True")
+
+# Characters of prose every supported CPython's pydoc topics hold (3.11 has ~154,000).
+_ALL_PROSE = 120_000
+
+_MODELS: dict[tuple[str, str], tuple] = {}
+_TOKENS: dict[tuple[str, str], np.ndarray] = {}
+
+
+# -- models --------------------------------------------------------------------------------
+def load_model(name: str, dtype: str):
+    """The model and tokenizer ``name`` in ``dtype``, loaded once per process."""
+    key = (name, dtype)
+    if key not in _MODELS:
+        from ..model.loading import load_with_tokenizer
+
+        _MODELS[key] = load_with_tokenizer(name, dtype=np.dtype(dtype))
+    return _MODELS[key]
+
+
+# -- policy specs --------------------------------------------------------------------------
+def _split_top_level(text: str, sep: str = ",") -> list[str]:
+    """Split on ``sep`` outside brackets and quotes (so dict/tuple values may hold commas)."""
+    parts, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            if ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``"name:a=1,b=x"`` -> ``("name", {"a": 1, "b": "x"})``.
+
+    Raises
+    ------
+    ValueError
+        If the name is not a registered policy or a parameter is not ``name=value``.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"policy spec must be a non-empty string like 'sink' or 'caote:base=h2o', got {spec!r}")
+    name, _, rest = spec.strip().partition(":")
+    policies.policy_class(name)  # ValueError naming the available policies
+    params = {}
+    if rest.strip():
+        for item in _split_top_level(rest):
+            key, sep, raw = item.partition("=")
+            key = key.strip()
+            if not sep or not key.isidentifier():
+                raise ValueError(f"policy spec {spec!r}: parameters must look like name=value, got {item!r}")
+            try:
+                params[key] = ast.literal_eval(raw.strip())
+            except (ValueError, SyntaxError):
+                params[key] = raw.strip()
+    return name, params
+
+
+def _format_value(value) -> str:
+    if isinstance(value, str) and value.isidentifier() and value not in ("True", "False", "None"):
+        return value
+    return repr(value)
+
+
+def canonical_spec(spec: str) -> str:
+    """The spec with parameters sorted and values in a fixed form (one spec per policy)."""
+    name, params = parse_spec(spec)
+    if not params:
+        return name
+    return name + ":" + ",".join(f"{k}={_format_value(params[k])}" for k in sorted(params))
+
+
+def make_policy(spec: str) -> policies.Policy:
+    """Construct the policy a spec names."""
+    name, params = parse_spec(spec)
+    return policies.get(name, **params)
+
+
+def format_spec_label(spec: str) -> str:
+    """A short human label: ``caote:base=h2o`` -> ``H2O+CAOTE``; other specs unchanged."""
+    name, params = parse_spec(spec)
+    if name == "caote" and set(params) <= {"base", "fast"}:
+        base = str(params.get("base", "h2o"))
+        upper = {"h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV"}.get(base, base)
+        return f"{upper}+{'Fast' if params.get('fast') else ''}CAOTE"
+    return spec
+
+
+def default_policies(extra: tuple[str, ...] = ()) -> list[str]:
+    """The default evicting policies that this refkv registers (canonical specs)."""
+    out = []
+    for spec in (*EVICTING_POLICIES, *extra):
+        try:
+            out.append(canonical_spec(spec))
+        except ValueError:
+            continue  # a policy module not (yet) present
+    return out
+
+
+def policy_error(spec: str, budget, block, config) -> str | None:
+    """Why ``spec`` cannot run with this budget and block size, or None if it can."""
+    try:
+        policy = make_policy(spec)
+        if budget is not None:
+            policy.check(budget, config)
+            if policy.evict_before_attention and (block is None or block > budget):
+                return (f"{spec} evicts before attention (per-token policy), so a block must fit in the "
+                        f"budget: B={block} > N={budget}")
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+# -- text ----------------------------------------------------------------------------------
+def prose_tokens(model_name: str, dtype: str, length: int, segment: int = 0) -> np.ndarray:
+    """Tokens ``[segment * length, (segment + 1) * length)`` of the tokenised prose."""
+    if length < 2 or segment < 0:
+        raise ValueError(f"length must be >= 2 and segment >= 0, got {length} and {segment}")
+    _, tokenizer = load_model(model_name, dtype)
+    key = (model_name, dtype)
+    needed = (segment + 1) * length
+    if key not in _TOKENS or len(_TOKENS[key]) < needed:
+        from ..model.sample_text import english_prose
+
+        try:  # ~4.5 characters per BPE token of English, 1 per byte token: 8 is generous
+            text = english_prose(needed * 8)
+        except ValueError:  # asked for more than there is: take (nearly) all of it
+            text = english_prose(_ALL_PROSE)
+        _TOKENS[key] = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    tokens = _TOKENS[key]
+    if len(tokens) < needed:
+        raise ValueError(f"the prose holds {len(tokens)} tokens; segment {segment} of length {length} "
+                         f"needs {needed}")
+    return tokens[segment * length:needed]
+
+
+# -- dense captures ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerCapture:
+    """One layer's RoPE'd queries ``q`` (H, T, d), keys ``k`` and values ``v`` (Hkv, T, d)."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+
+
+def dense_capture(model, tokens) -> tuple[list[LayerCapture], np.ndarray]:
+    """Run ``tokens`` with no eviction; every layer's q, k, v and the last logits."""
+    tokens = model.check_tokens(tokens)
+    positions = np.arange(len(tokens), dtype=np.int64)
+    rope = model.rope(positions)
+    key_positions = np.broadcast_to(positions, (model.config.n_kv_heads, len(tokens)))
+    x = model.embed(tokens)
+    layers = []
+    for layer in range(model.config.n_layers):
+        q, k, v = model.qkv(layer, x, rope)
+        out, _ = attend(q, k, v, positions, key_positions)
+        layers.append(LayerCapture(q, k, v))
+        x = x + model.attn_out(layer, out)
+        x = x + model.mlp(layer, x)
+    return layers, model.head(x[-1:])[0]
+
+
+_CAPTURES: dict[tuple, tuple] = {}
+
+
+def cached_capture(model_name: str, dtype: str, length: int, segment: int):
+    """:func:`dense_capture` of prose segment ``segment`` of ``length`` tokens, kept per process.
+
+    One capture is kept at a time (the real model's is ~100 MB for 1K tokens); cells of
+    the same prompt that run one after the other in a process share it.
+    """
+    key = (model_name, dtype, length, segment)
+    if key not in _CAPTURES:
+        model, _ = load_model(model_name, dtype)
+        _CAPTURES.clear()
+        _CAPTURES[key] = dense_capture(model, prose_tokens(model_name, dtype, length, segment))
+    return _CAPTURES[key]
+
+
+# -- tables --------------------------------------------------------------------------------
+def _cell(value):
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return f"{value:.6g}"
+    if value is None:
+        return ""
+    return value
+
+
+def write_csv(path, rows: list[dict], columns: list[str] | None = None) -> Path:
+    """Write ``rows`` as CSV atomically (temp file + ``os.replace``)."""
+    path = Path(path)
+    if columns is None:
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: _cell(row.get(k)) for k in columns})
+    write_text(path, buffer.getvalue())
+    return path
+
+
+def write_text(path, text: str) -> Path:
+    """Write ``text`` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def mean_std(values) -> tuple[float, float, int]:
+    """Mean, sample standard deviation (0 for one value) and count, ignoring NaN."""
+    arr = np.asarray([v for v in values if v is not None], dtype=np.float64)
+    arr = arr[~np.isnan(arr)]
+    if arr.size == 0:
+        return float("nan"), float("nan"), 0
+    std = float(arr.std(ddof=1)) if arr.size > 1 else 0.0
+    return float(arr.mean()), std, int(arr.size)

@@ -1,0 +1,325 @@
+"""Key geometry: KeyDiff Figs. 2, 4, 5 and HashEvict Table 11 on a real model.
+
+Three kinds of cells:
+
+* ``kind="cosine"`` (KeyDiff Fig. 2): on a dense pass over a prose prompt, per layer and
+  KV head, each key's mean cosine similarity to the other keys against the attention
+  it receives. The statistic is Spearman's rank correlation between
+  :math:`-\\frac{1}{T-1}\\sum_{j \\ne i} \\cos(k_i, k_j)` and the mean attention the key
+  receives from the queries that can see it (group-averaged weights,
+  :math:`\\frac{1}{T-i}\\sum_{q \\ge i} a_{q,i}`); KeyDiff's claim is that it is positive.
+  The same correlation is kept for KeyDiff's anchor score (Eq. 8, minus the cosine to
+  the mean unit key). The first 64 keys of one head are kept for the Fig. 2 picture.
+* ``kind="retention"`` (Figs. 4, 5): the engine prefills the prompt under a policy
+  (budget ``N``, block ``B``); per layer and KV head, the log-volume of the kept keys,
+  :math:`\\log\\det(K^\\top K)` (see Notes), and their mean pairwise cosine. For one
+  (layer, head) the 2-D PCA of the dense run's keys of every prompt token is stored
+  with the kept mask (the Fig. 4 scatter).
+* ``kind="hamming"`` (HashEvict Table 11): per layer and query head, the Pearson
+  correlation between the attention weights :math:`a_{q,k}` (every causal pair
+  ``k <= q``) and the inverted SimHash Hamming distance of ``q`` and ``k``, averaged over
+  several random projections, for codes of 8, 16, 24 and 32 bits.
+
+Notes
+-----
+* **log det of the Gram matrix.** KeyDiff Fig. 5 plots :math:`\\log\\det(K K^\\top)` of
+  the ``N`` kept keys. With ``N`` larger than the head width ``d``, :math:`K K^\\top`
+  (``N x N``) has rank at most ``d`` and its determinant is 0. refkv reports
+  :math:`\\log\\det(K^\\top K) = \\sum_i \\log \\sigma_i^2`, the log of the product of the
+  nonzero eigenvalues of :math:`K K^\\top` (its pseudo-determinant): the squared
+  ``d``-dimensional volume the kept keys span. Computed in float64 with
+  :func:`numpy.linalg.slogdet`.
+* **PCA** is fitted to all ``T`` dense keys of the chosen head (centred, float64 SVD);
+  the sign of each component is fixed so its largest-magnitude loading is positive.
+* **"Inverted" Hamming distance** is its negation (Pearson's correlation is unchanged by
+  the affine map to ``c - d_H``). Hamming distances are averaged over
+  ``projections`` independent planes (seeds ``seed .. seed + projections - 1``) before
+  the correlation, as App. E does "to mitigate the randomness that LSH introduces".
+  HashEvict normalises keys and queries first; SimHash signs do not depend on norms.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import pearsonr, spearmanr
+
+from ..attention import attention_weights
+from ..engine import Engine
+from .common import (
+    cached_capture,
+    canonical_spec,
+    default_policies,
+    load_model,
+    make_policy,
+    mean_std,
+    policy_error,
+    write_csv,
+)
+from .runner import Experiment, Settings, register_experiment
+
+__all__ = ["EXPERIMENT", "hamming_correlation", "log_volume", "mean_pairwise_cosine", "pca_2d"]
+
+#: Code lengths of HashEvict Table 11.
+BITS = (8, 16, 24, 32)
+#: Policies of KeyDiff Figs. 4 and 5.
+FIGURE_POLICIES = ("sink", "tova", "keydiff")
+
+
+# -- the quantities ------------------------------------------------------------------------
+def _unit(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-8)
+
+
+def mean_pairwise_cosine(keys: np.ndarray) -> np.ndarray:
+    """Each key's mean cosine similarity to the *other* keys: (..., n, d) -> (..., n)."""
+    u = _unit(keys)
+    n = u.shape[-2]
+    total = u @ u.sum(axis=-2)[..., :, None]  # sum_j cos(k_i, k_j), self included
+    return (total[..., 0] - (u * u).sum(axis=-1)) / max(n - 1, 1)
+
+
+def log_volume(keys: np.ndarray) -> float:
+    """``log det(K^T K)`` of (n, d) keys in float64 (``-inf`` if they span fewer than d dims)."""
+    k = np.asarray(keys, dtype=np.float64)
+    sign, logdet = np.linalg.slogdet(k.T @ k)
+    return float(logdet) if sign > 0 else float("-inf")
+
+
+def pca_2d(x: np.ndarray) -> np.ndarray:
+    """Projections (n, 2) of rows on their first two principal components (signs fixed)."""
+    x = np.asarray(x, dtype=np.float64)
+    centred = x - x.mean(axis=0)
+    _, _, vt = np.linalg.svd(centred, full_matrices=False)
+    components = vt[:2]
+    flip = np.sign(components[np.arange(len(components)), np.abs(components).argmax(axis=1)])
+    return centred @ (components * flip[:, None]).T
+
+
+def hamming_correlation(q: np.ndarray, k: np.ndarray, weights: np.ndarray, n_bits: int, seeds) -> np.ndarray:
+    """Pearson r of attention and minus mean Hamming distance, per query head.
+
+    Parameters
+    ----------
+    q : (H, T, d); k : (Hkv, T, d); weights : (Hkv, g, T, T) attention
+    n_bits : int; seeds : iterable of int (one projection each)
+
+    Returns
+    -------
+    (H,) float64 correlations over the causal pairs ``k <= q``.
+    """
+    from ..lsh import gaussian_planes, simhash
+
+    n_kv, t, d = k.shape
+    g = q.shape[0] // n_kv
+    distance = np.zeros((n_kv, g, t, t))
+    seeds = list(seeds)
+    for seed in seeds:
+        planes = gaussian_planes(n_bits, d, seed, q.dtype)
+        sq = (simhash(q, planes).astype(np.float64) * 2.0 - 1.0).reshape(n_kv, g, t, n_bits)
+        sk = simhash(k, planes).astype(np.float64) * 2.0 - 1.0
+        distance += (n_bits - sq @ sk[:, None].swapaxes(-1, -2)) / 2.0
+    distance /= len(seeds)
+    rows, cols = np.tril_indices(t)
+    out = []
+    for h in range(n_kv):
+        for j in range(g):
+            a = weights[h, j][rows, cols].astype(np.float64)
+            s = -distance[h, j][rows, cols]
+            out.append(float(pearsonr(a, s)[0]) if np.ptp(s) > 0 and np.ptp(a) > 0 else float("nan"))
+    return np.asarray(out)
+
+
+def _received_visible(weights_kv: np.ndarray) -> np.ndarray:
+    """Mean attention each key receives from the queries that see it: (Hkv, T, T) -> (Hkv, T)."""
+    t = weights_kv.shape[-1]
+    return weights_kv.sum(axis=-2) / (t - np.arange(t))
+
+
+def _spearman(x: np.ndarray, y: np.ndarray) -> float:
+    if np.ptp(x) == 0 or np.ptp(y) == 0:
+        return float("nan")
+    return float(spearmanr(x, y)[0])
+
+
+# -- cells ---------------------------------------------------------------------------------
+def cells(settings: Settings) -> list[dict]:
+    model = settings.resolved_model()
+    real = model != "tiny"
+    base = {"model": model, "dtype": settings.dtype, "seed": settings.seed}
+    if settings.quick:
+        dense_length, segments, ret_length = 128, (0,), (256 if real else 192)
+        policies, budgets, blocks, projections = list(FIGURE_POLICIES), [64], [32], 2
+    else:
+        dense_length, segments, ret_length = 512, (0, 1, 2), 1024
+        policies, budgets, blocks, projections = default_policies(), [256], [128], 4
+        if not real:
+            ret_length, budgets = 512, [128]
+    policies = [canonical_spec(p) for p in (settings.policies or policies)]
+    budgets = list(settings.budgets or budgets)
+    blocks = list(settings.blocks or blocks)
+    out = []
+    for segment in segments:
+        out.append({**base, "kind": "cosine", "length": dense_length, "segment": segment})
+        out.append({**base, "kind": "hamming", "length": dense_length, "segment": segment, "bits": list(BITS),
+                    "projections": projections})
+    for segment in segments[:2]:
+        for policy in policies:
+            if policy == "full":
+                continue
+            for budget in budgets:
+                for block in blocks:
+                    out.append({**base, "kind": "retention", "length": ret_length, "segment": segment,
+                                "policy": policy, "budget": budget, "block": block})
+    return out
+
+
+def cost(params: dict) -> float:
+    if params["kind"] == "retention":
+        return params["length"] / 250.0 + 1.0
+    if params["kind"] == "hamming":
+        return params["length"] * 0.03 * params["projections"]
+    return params["length"] * 0.02
+
+
+def _plot_head(config) -> tuple[int, int]:
+    """The (layer, KV head) pictured: KeyDiff Fig. 4 shows layer 5 of 28; here layer L // 6, head 0."""
+    return config.n_layers // 6, 0
+
+
+def run_cell(params: dict) -> dict:
+    kind = params["kind"]
+    if kind == "cosine":
+        return _run_cosine(params)
+    if kind == "retention":
+        return _run_retention(params)
+    if kind == "hamming":
+        return _run_hamming(params)
+    raise ValueError(f"kind must be 'cosine', 'retention' or 'hamming', got {kind!r}")
+
+
+def _run_cosine(params: dict) -> dict:
+    model, _ = load_model(params["model"], params["dtype"])
+    layers, _ = cached_capture(params["model"], params["dtype"], params["length"], params["segment"])
+    t = params["length"]
+    positions = np.arange(t, dtype=np.int64)
+    kv_positions = np.broadcast_to(positions, (model.config.n_kv_heads, t))
+    pairwise, anchor = [], []
+    plot_layer, plot_head = _plot_head(model.config)
+    picture = None
+    for layer, cap in enumerate(layers):
+        received = _received_visible(attention_weights(cap.q, cap.k, positions, kv_positions).mean(axis=1))
+        neg_cos = -mean_pairwise_cosine(cap.k)
+        unit = _unit(cap.k)
+        anchor_score = -(unit @ _unit(unit.mean(axis=1))[:, :, None])[..., 0]
+        pairwise.append([_spearman(neg_cos[h], received[h]) for h in range(len(received))])
+        anchor.append([_spearman(anchor_score[h], received[h]) for h in range(len(received))])
+        if layer == plot_layer:
+            u = unit[plot_head, :64]
+            picture = {"layer": layer, "head": plot_head, "cosine": np.round(u @ u.T, 4).tolist(),
+                       "received": [float(x) for x in received[plot_head, :64]]}
+    return {"spearman_pairwise": pairwise, "spearman_anchor": anchor, "picture": picture}
+
+
+def _run_retention(params: dict) -> dict:
+    model, _ = load_model(params["model"], params["dtype"])
+    budget, block = params["budget"], params["block"]
+    reason = policy_error(params["policy"], budget, block, model.config)
+    if reason is not None:
+        return {"skipped": reason}
+    from .common import prose_tokens
+
+    tokens = prose_tokens(params["model"], params["dtype"], params["length"], params["segment"])
+    engine = Engine(model, make_policy(params["policy"]), budget)
+    engine.prefill(tokens, block)
+    volume, spread = [], []
+    for cache in engine.caches:
+        volume.append([log_volume(cache.keys[h]) for h in range(cache.n_kv_heads)])
+        spread.append([float(mean_pairwise_cosine(cache.keys[h]).mean()) for h in range(cache.n_kv_heads)])
+    result = {"log_volume": volume, "kept_mean_cosine": spread}
+    if params["policy"] in FIGURE_POLICIES:
+        layer, head = _plot_head(model.config)
+        layers, _ = cached_capture(params["model"], params["dtype"], params["length"], params["segment"])
+        kept = np.zeros(params["length"], dtype=bool)
+        kept[engine.caches[layer].positions[head]] = True
+        result["pca"] = {"layer": layer, "head": head,
+                         "xy": np.round(pca_2d(layers[layer].k[head]), 4).tolist(),
+                         "kept": kept.astype(int).tolist()}
+    return result
+
+
+def _run_hamming(params: dict) -> dict:
+    model, _ = load_model(params["model"], params["dtype"])
+    layers, _ = cached_capture(params["model"], params["dtype"], params["length"], params["segment"])
+    t = params["length"]
+    positions = np.arange(t, dtype=np.int64)
+    kv_positions = np.broadcast_to(positions, (model.config.n_kv_heads, t))
+    seeds = range(params["seed"], params["seed"] + params["projections"])
+    out = {str(bits): [] for bits in params["bits"]}
+    for cap in layers:
+        weights = attention_weights(cap.q, cap.k, positions, kv_positions)
+        for bits in params["bits"]:
+            out[str(bits)].append(hamming_correlation(cap.q, cap.k, weights, bits, seeds).tolist())
+    return {"pearson": out}
+
+
+# -- summary -------------------------------------------------------------------------------
+def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Path]:
+    """``cosine.csv``, ``log_volume.csv``, ``hamming.csv`` and the Fig. 2 / 4 / 5 pictures."""
+    from . import plots
+    from .common import format_spec_label
+
+    written = []
+    cos = [r for r in records if r["params"]["kind"] == "cosine"]
+    if cos:
+        pair = np.asarray([r["result"]["spearman_pairwise"] for r in cos], dtype=np.float64)
+        anch = np.asarray([r["result"]["spearman_anchor"] for r in cos], dtype=np.float64)
+        rows = [{"layer": layer, "spearman_pairwise": float(np.nanmean(pair[:, layer])),
+                 "spearman_anchor": float(np.nanmean(anch[:, layer])),
+                 "heads_positive_pairwise": float(np.mean(pair[:, layer] > 0))}
+                for layer in range(pair.shape[1])]
+        rows.append({"layer": "all", "spearman_pairwise": float(np.nanmean(pair)),
+                     "spearman_anchor": float(np.nanmean(anch)),
+                     "heads_positive_pairwise": float(np.mean(pair > 0))})
+        written.append(write_csv(folder / "cosine.csv", rows))
+        written += plots.cosine_picture(cos[0]["result"]["picture"], folder)
+
+    ret = [r for r in records if r["params"]["kind"] == "retention" and "skipped" not in r["result"]]
+    groups: dict[tuple, list[dict]] = {}
+    for r in ret:
+        p = r["params"]
+        groups.setdefault((p["policy"], p["budget"], p["block"]), []).append(r)
+    rows, distributions = [], {}
+    for (policy, budget, block), group in groups.items():
+        vol = np.asarray([r["result"]["log_volume"] for r in group], dtype=np.float64)
+        spread = np.asarray([r["result"]["kept_mean_cosine"] for r in group], dtype=np.float64)
+        finite = vol[np.isfinite(vol)]
+        distributions[format_spec_label(policy)] = finite
+        rows.append({"policy": policy, "label": format_spec_label(policy), "budget": budget, "block": block,
+                     "log_volume_mean": float(finite.mean()) if finite.size else float("nan"),
+                     "log_volume_median": float(np.median(finite)) if finite.size else float("nan"),
+                     "kept_mean_cosine": float(spread.mean()), "prompts": len(group)})
+    rows.sort(key=lambda r: -r["log_volume_mean"])
+    written.append(write_csv(folder / "log_volume.csv", rows))
+    written += plots.log_volume_boxes(distributions, folder)
+    pictures = {format_spec_label(r["params"]["policy"]): r["result"]["pca"] for r in ret
+                if "pca" in r["result"] and r["params"]["segment"] == 0}
+    written += plots.pca_scatter(pictures, folder)
+
+    ham = [r for r in records if r["params"]["kind"] == "hamming"]
+    if ham:
+        rows = []
+        for bits in ham[0]["params"]["bits"]:
+            values = np.concatenate([np.ravel(r["result"]["pearson"][str(bits)]) for r in ham])
+            mean, std, n = mean_std(values)
+            rows.append({"bits": bits, "pearson_mean": mean, "pearson_std": std, "heads_x_layers_x_prompts": n})
+        written.append(write_csv(folder / "hamming.csv", rows))
+    return written
+
+
+EXPERIMENT = register_experiment(Experiment(
+    name="geometry",
+    title="key geometry: cosine vs attention, PCA and log-volume of kept keys, LSH vs attention correlation",
+    cells=cells, run=run_cell, summarise=summarise, cost=cost))

@@ -1,0 +1,270 @@
+"""Passkey retrieval (needle in a haystack) under eviction: KeyDiff Fig. 6 at small scale.
+
+A five-digit pass key is hidden at a controlled depth of a synthetic haystack; the model
+reads the prompt with block prompt processing (block size ``B``, budget ``N``, the
+policy evicting as it goes, KeyDiff Eq. 6), then answers greedily. A cell is correct when
+the first number in the answer equals the key (exact match).
+
+Prompt (Mohtashami & Jaggi's passkey task, as used by KeyDiff's and CAOTE's
+needle tests)::
+
+    There is an important info hidden inside a lot of irrelevant text. Find it and
+    memorize it. I will quiz you about the important information there.
+
+    <filler> ... The pass key is 48151. Remember it. ... <filler>
+
+    What is the pass key?                       (then the answer starts: "The pass key is")
+
+Notes
+-----
+* **Filler.** ``filler="repeat"`` (default) repeats the classic five filler sentences
+  ("The grass is green. The sky is blue. ..."); ``filler="varied"`` draws seeded
+  sentences from a small grammar. SmolLM2-135M finds the key in the repeated filler
+  at 1-2K tokens but hardly ever in varied filler beyond ~700 tokens even with no
+  eviction, so only the repeated filler measures eviction at all at this scale.
+* **Template.** ``template="chat"`` wraps the prompt in the model's ChatML template
+  (one user message, then the assistant turn starting with "The pass key is");
+  ``"raw"`` is plain text. Models without a chat template (the built-in ``tiny``)
+  always use raw text.
+* **Depth** ``d`` in [0, 1] puts the needle after ``round(d * n)`` of the ``n`` filler
+  units; the record keeps the needle's actual token position.
+* **Pairing.** The key and the haystack depend only on (seed, length, depth, sample),
+  never on the policy, budget or block size: every policy answers the same prompts.
+* **Needle retention.** Each record also keeps the fraction of the key's digit tokens
+  still in the cache after the prompt, averaged over layers and KV heads: whether the
+  policy kept the needle, separately from whether the model then read it.
+* **Ceiling.** Policy ``full`` (no eviction) is run on every prompt: the accuracy the
+  135M model reaches without eviction, which bounds every policy's.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..engine import Engine
+from .common import canonical_spec, default_policies, load_model, make_policy, mean_std, policy_error, write_csv
+from .runner import Experiment, Settings, register_experiment
+
+__all__ = ["EXPERIMENT", "build_prompt", "cells", "run_cell", "summarise"]
+
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+         "I will quiz you about the important information there.")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = "The pass key is {key}. Remember it."
+QUESTION = "What is the pass key?"
+ANSWER_PREFIX = "The pass key is"
+
+_SUBJECTS = ("The river", "A small boat", "The old house", "The wind", "A tall tree", "The market", "The road",
+             "A quiet village", "The clock", "The garden")
+_PREDICATES = ("runs past the hill", "stays warm in winter", "moves slowly", "looks bright at noon",
+               "waits by the gate", "turns to the east", "opens early", "rests in the shade", "sounds far away",
+               "grows every year")
+
+#: Depths at which the default grid puts the needle (fractions of the haystack).
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def _filler_units(kind: str, count: int, rng: np.random.Generator) -> list[str]:
+    if kind == "repeat":
+        return [FILLER] * count
+    if kind == "varied":
+        units = []
+        for _ in range(count):
+            sentences = [f"{_SUBJECTS[rng.integers(len(_SUBJECTS))]} {_PREDICATES[rng.integers(len(_PREDICATES))]}."
+                         for _ in range(5)]
+            units.append(" ".join(sentences))
+        return units
+    raise ValueError(f"filler must be 'repeat' or 'varied', got {kind!r}")
+
+
+def _render(tokenizer, units: list[str], template: str) -> list[int]:
+    haystack = " ".join(units)
+    if template == "chat" and getattr(tokenizer, "has_chat_template", False):
+        message = f"{INTRO}\n\n{haystack}\n\n{QUESTION}"
+        return list(tokenizer.encode_chat([{"role": "user", "content": message}])) + \
+            list(tokenizer.encode(ANSWER_PREFIX))
+    if template not in ("chat", "raw"):
+        raise ValueError(f"template must be 'chat' or 'raw', got {template!r}")
+    return list(tokenizer.encode(f"{INTRO}\n\n{haystack}\n\n{QUESTION} {ANSWER_PREFIX}"))
+
+
+def build_prompt(tokenizer, length: int, depth: float, key: int, *, template: str = "chat",
+                 filler: str = "repeat", seed: int = 0) -> tuple[list[int], int]:
+    """The prompt tokens (about ``length`` of them) and the token index of the key's last digits.
+
+    Parameters
+    ----------
+    tokenizer : refkv.model.tokenizer.Tokenizer or ByteTokenizer
+    length : int
+        Target prompt length in tokens (``>= 64``); the prompt holds as many filler
+        units as fit.
+    depth : float in [0, 1]
+        Where the needle goes: after ``round(depth * n)`` of the ``n`` filler units.
+    key : int
+        The pass key (five digits).
+    template : "chat" or "raw"
+    filler : "repeat" or "varied"
+    seed : int
+        Seed of the varied filler.
+    """
+    if isinstance(length, bool) or not isinstance(length, int) or length < 64:
+        raise ValueError(f"length must be an integer >= 64, got {length!r}")
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    if not 10000 <= key <= 99999:
+        raise ValueError(f"key must have five digits, got {key!r}")
+    needle = NEEDLE.format(key=key)
+    rng = np.random.default_rng(seed)
+    overhead = len(_render(tokenizer, [needle], template))
+    per_unit = max(1, len(tokenizer.encode(" " + FILLER)))
+    count = max(1, (length - overhead) // per_unit)
+    units = _filler_units(filler, count, rng)
+    at = round(depth * count)
+    tokens = _render(tokenizer, [*units[:at], needle, *units[at:]], template)
+    marker = list(tokenizer.encode(str(key)[1:]))  # the last four digits: one run of tokens in context
+    return tokens, _find(tokens, marker)
+
+
+def _find(tokens: list[int], pattern: list[int]) -> int:
+    n = len(pattern)
+    for i in range(len(tokens) - n + 1):
+        if tokens[i:i + n] == pattern:
+            return i
+    return -1
+
+
+def _key(seed: int, length: int, depth: float, sample: int) -> int:
+    rng = np.random.default_rng([seed, length, round(depth * 1000), sample])
+    return int(rng.integers(10000, 100000))
+
+
+# -- the grid ------------------------------------------------------------------------------
+def cells(settings: Settings) -> list[dict]:
+    """The grid: prompts x (ceiling + policies x budgets x block sizes)."""
+    model = settings.resolved_model()
+    real = model != "tiny"
+    if settings.quick:
+        lengths, depths, samples = ([512] if real else [200]), (0.5,), 1
+        policies = ["sink", "keydiff"]
+        budgets, blocks = ([128] if real else [64]), ([128] if real else [32])
+    else:
+        lengths, depths, samples = ([1024, 2048] if real else [512, 1024]), DEPTHS, 1
+        policies = default_policies()
+        budgets, blocks = [256], [128, None]
+    policies = [canonical_spec(p) for p in (settings.policies or policies)]
+    budgets = list(settings.budgets or budgets)
+    blocks = list(settings.blocks or blocks)
+    # The built-in random model has no chat template; its prompts are raw text.
+    common = {"model": model, "dtype": settings.dtype, "seed": settings.seed, "template": "chat" if real else "raw",
+              "filler": "repeat", "max_new_tokens": 8}
+    out = []
+    for length in lengths:
+        for depth in depths:
+            for sample in range(samples):
+                prompt = {**common, "length": length, "depth": depth, "sample": sample}
+                out.append({**prompt, "policy": "full", "budget": None, "block": blocks[0]})
+                for policy in policies:
+                    if policy == "full":
+                        continue
+                    for budget in budgets:
+                        for block in blocks:
+                            out.append({**prompt, "policy": policy, "budget": budget, "block": block})
+    return out
+
+
+def cost(params: dict) -> float:
+    """Roughly seconds of one core: the prompt's tokens, more without blocks or budget."""
+    tokens = params["length"] / 250.0
+    if params["block"] is None or params["budget"] is None:
+        tokens *= 1.0 + params["length"] / 2048.0  # attention over the whole prompt
+    return tokens + 1.0
+
+
+def run_cell(params: dict) -> dict:
+    """Build the prompt, prefill it under the policy, answer greedily, check the number."""
+    model, tokenizer = load_model(params["model"], params["dtype"])
+    key = _key(params["seed"], params["length"], params["depth"], params["sample"])
+    tokens, needle_at = build_prompt(tokenizer, params["length"], params["depth"], key,
+                                     template=params["template"], filler=params["filler"], seed=params["seed"])
+    base = {"key": key, "prompt_tokens": len(tokens), "needle_position": needle_at}
+    budget, block = params["budget"], params["block"]
+    if params["policy"] != "full":
+        reason = policy_error(params["policy"], budget, block, model.config)
+        if reason is not None:
+            return {**base, "skipped": reason}
+    engine = Engine(model, make_policy(params["policy"]), budget)
+    logits = engine.prefill(tokens, block)
+    kept = _needle_retention(engine, needle_at, 4)
+    answer = engine.generate(logits, params["max_new_tokens"], eos=getattr(tokenizer, "stop_ids", ()))
+    text = tokenizer.decode(answer)
+    match = re.search(r"\d+", text)
+    predicted = match.group(0) if match else ""
+    return {**base, "answer": text, "predicted": predicted, "correct": predicted == str(key),
+            "needle_retention": kept}
+
+
+def _needle_retention(engine: Engine, start: int, width: int) -> float | None:
+    """Fraction of the needle's tokens ``[start, start + width)`` in the caches (mean over layers, heads)."""
+    if start < 0:
+        return None
+    fractions = []
+    for cache in engine.caches:
+        inside = (cache.positions >= start) & (cache.positions < start + width)
+        fractions.append(inside.sum(axis=1) / width)
+    return float(np.mean(fractions))
+
+
+# -- summary -------------------------------------------------------------------------------
+def _label(params: dict) -> str:
+    return "full" if params["policy"] == "full" else params["policy"]
+
+
+def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Path]:
+    """``accuracy.csv`` (one row per policy, budget, block), ``cells.csv`` and heatmaps."""
+    done = [r for r in records if "skipped" not in r["result"]]
+    groups: dict[tuple, list[dict]] = {}
+    for r in done:
+        p = r["params"]
+        groups.setdefault((p["policy"], p["budget"], p["block"]), []).append(r)
+    lengths = sorted({r["params"]["length"] for r in done})
+    rows = []
+    for (policy, budget, block), group in groups.items():
+        acc, _, n = mean_std(float(r["result"]["correct"]) for r in group)
+        keep, _, _ = mean_std(r["result"]["needle_retention"] for r in group)
+        row = {"policy": policy, "budget": budget, "block": "none" if block is None else block,
+               "accuracy": acc, "n": n, "needle_retention": keep,
+               "wall_time_s": sum(r["wall_time_s"] for r in group)}
+        for length in lengths:
+            sub = [float(r["result"]["correct"]) for r in group if r["params"]["length"] == length]
+            row[f"acc_{length}"] = mean_std(sub)[0]
+        rows.append(row)
+    skipped = {(r["params"]["policy"], r["params"]["budget"], r["params"]["block"]): r["result"]["skipped"]
+               for r in records if "skipped" in r["result"]}
+    for (policy, budget, block), reason in skipped.items():
+        rows.append({"policy": policy, "budget": budget, "block": "none" if block is None else block,
+                     "n": 0, "skipped": reason})
+    columns = ["policy", "budget", "block", "accuracy", "n", "needle_retention",
+               *[f"acc_{length}" for length in lengths], "wall_time_s", "skipped"]
+    written = [write_csv(folder / "accuracy.csv", rows, columns)]
+    cell_rows = []
+    for r in done:
+        p, res = r["params"], r["result"]
+        cell_rows.append({"policy": p["policy"], "budget": p["budget"],
+                          "block": "none" if p["block"] is None else p["block"], "length": p["length"],
+                          "depth": p["depth"], "sample": p["sample"], "prompt_tokens": res["prompt_tokens"],
+                          "key": res["key"], "predicted": res["predicted"], "correct": int(res["correct"]),
+                          "needle_retention": res["needle_retention"], "wall_time_s": r["wall_time_s"]})
+    written.append(write_csv(folder / "cells.csv", cell_rows))
+    from . import plots
+
+    written += plots.passkey_heatmaps(done, folder)
+    return written
+
+
+EXPERIMENT = register_experiment(Experiment(
+    name="passkey",
+    title="needle in a haystack: exact-match accuracy by length x depth (KeyDiff Fig. 6)",
+    cells=cells, run=run_cell, summarise=summarise, cost=cost))

