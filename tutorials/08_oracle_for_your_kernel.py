@@ -1,0 +1,186 @@
+"""
+8. refkv as the oracle for your own kernel
+==========================================
+
+Suppose you have written a fast KeyDiff for your inference engine -- a CUDA kernel, a
+Triton kernel, a vectorised CPU path. How do you know it evicts what KeyDiff evicts? refkv
+is meant to be the reference you test it against, in your own CI:
+
+* **golden files** (``refkv golden generate``): test vectors of each policy's scores,
+  protected masks and kept tokens, on small inputs chosen to be hard (grouped-query
+  attention, near ties, zero-norm and duplicate keys, huge logits, float32), plus
+  end-to-end runs of the built-in model. JSON and ``.npz``, readable without refkv;
+* **assertions** (:mod:`refkv.testing`) that compare your outputs with a golden case and
+  say *where* they differ, accepting a different token only when it ties with the one it
+  replaces;
+* **hypothesis strategies** (:mod:`refkv.testing.strategies`) to test against refkv's
+  policies directly on many random caches.
+
+Here the "kernel" is a vectorised NumPy KeyDiff standing in for yours, first with a
+plausible bug.
+"""
+
+import json
+import pathlib
+import tempfile
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis.configuration import set_hypothesis_home_dir
+
+from refkv import policies
+from refkv.oracle import generate_suite
+from refkv.testing import assert_case, assert_same_retention, assert_scores_close, load_cases
+from refkv.testing import strategies as kvst
+
+# %%
+# A kernel to test
+# ----------------
+#
+# KeyDiff Eq. 8: score each key by minus its cosine with the anchor, the mean of the unit
+# keys, and keep the ``budget`` best per KV head. A fast implementation selects with a
+# partial sort (``argpartition``), not a full sort, and so makes no promise about which of
+# two *equal* scores it keeps. This first version has a bug that is easy to write: it
+# averages the raw keys instead of the unit keys.
+
+
+def my_keydiff(keys, budget, *, unit_anchor=True):
+    """keys (Hkv, n, d) -> scores (Hkv, n), kept column indices (Hkv, min(budget, n)), increasing."""
+    norms = np.sqrt(np.sum(keys * keys, axis=-1))
+    unit = keys / np.maximum(norms, 1e-8)[..., None]
+    anchor = (unit if unit_anchor else keys).mean(axis=1)
+    cos = np.einsum("hnd,hd->hn", keys, anchor) / np.maximum(norms * np.linalg.norm(anchor, axis=-1)[:, None], 1e-8)
+    scores = -cos
+    m = min(budget, keys.shape[1])
+    best = np.argpartition(-scores, m - 1, axis=-1)[:, :m]
+    return scores, np.sort(best, axis=-1)
+
+
+# %%
+# Golden test vectors
+# -------------------
+#
+# ``refkv golden generate DIR`` writes a suite; from Python it is
+# :func:`refkv.oracle.generate_suite`. Your CI would generate it once, commit it (or pin
+# the refkv version that writes it), and test against the files -- refkv itself need not
+# be installed where the test runs. We write it into a temporary directory.
+
+workdir = tempfile.TemporaryDirectory()
+suite_dir = pathlib.Path(workdir.name) / "golden"
+set_hypothesis_home_dir(pathlib.Path(workdir.name) / ".hypothesis")  # hypothesis's cache, not in your cwd
+index = generate_suite(suite_dir, ["keydiff"])
+for entry in index["files"]:
+    print(f"{entry['kind']:<8} {entry['path']}")
+
+# %%
+# The files are plain JSON (arrays as nested lists with their dtype and shape) and
+# ``.npz`` without pickled objects; the format is specified on the Oracle pages. A look
+# at the vectors file without refkv's reader:
+
+document = json.loads((suite_dir / "vectors" / "keydiff.json").read_text())
+print({key: document[key] for key in ("schema", "schema_version", "policy") if key in document})
+print("top-level keys:", sorted(document))
+
+# %%
+# :func:`refkv.testing.load_cases` reads them back as :class:`refkv.oracle.VectorCase`
+# objects. We keep KeyDiff's default parameters (the file also holds the paper's ablation
+# variants) and look at the flags that say what each case is built to catch:
+
+defaults = policies.get("keydiff").params()
+cases = load_cases(suite_dir, policy="keydiff", params=defaults)
+print(len(cases), "cases with the default parameters")
+for case in cases[:4]:
+    print(f"  {case}: {case.dtype}, {case.sizes['n']} candidates -> budget {case.budget}, flags {list(case.flags)}")
+
+# %%
+# Checking the kernel
+# -------------------
+#
+# :func:`refkv.testing.assert_case` compares scores (shape, dtype kind, values within the
+# case's tolerance, scaled for its dtype) and kept tokens. In a test suite each case
+# would be one ``pytest`` parameter; here we loop and print what fails.
+
+
+def check(kernel_options, cases):
+    failures, ties = 0, 0
+    for case in cases:
+        scores, kept = my_keydiff(case.inputs["keys"], case.budget, **kernel_options)
+        try:
+            ties += len(assert_case(case, scores=scores, kept=kept))
+        except AssertionError as error:
+            failures += 1
+            if failures == 1:
+                print(str(error).splitlines()[0])
+                print("\n".join(str(error).splitlines()[1:4]))
+    print(f"-> {failures} of {len(cases)} cases fail, {ties} ties accepted")
+
+
+check({"unit_anchor": False}, cases)
+
+# %%
+# The first failing case names the case, the head and the position where the scores part
+# company, with both values. The fix is the one-word change to Eq. 8's anchor:
+
+check({"unit_anchor": True}, cases)
+
+# %%
+# All pass. The ties line matters: where your kernel keeps another token than refkv,
+# ``assert_case`` accepts it only when the two tokens' reference scores are equal within
+# the tolerance (a *tie*), and returns these swaps so you can see them. refkv's own rule is
+# "equal scores keep the more recent token"; ``strict_ties=True`` demands it. A swap that
+# is not a tie fails, with the positions kept by each side.
+#
+# Property-based: against the policy itself
+# -----------------------------------------
+#
+# Golden files pin a fixed set of cases. With hypothesis you can also draw fresh caches:
+# :func:`refkv.testing.strategies.views` runs a drawn cache through block prompt
+# processing, exactly as the engine would, and hands you the :class:`refkv.policies.View`
+# of the last eviction -- GQA layouts, both dtypes, and the adversarial features
+# included. The property: same scores and same kept tokens (up to ties) as refkv.
+
+keydiff = policies.get("keydiff")
+
+
+@settings(max_examples=60, derandomize=True, deadline=None, database=None)
+@given(kvst.views(keydiff))
+def test_my_keydiff_matches_refkv(view):
+    scores, kept = my_keydiff(view.keys, view.budget)
+    tol = {"rtol": 1e-4, "atol": 1e-5} if view.keys.dtype == np.float32 else {"rtol": 1e-9, "atol": 1e-12}
+    assert_scores_close(scores, keydiff.score(view), positions=view.positions, **tol)
+    assert_same_retention(kept, keydiff.keep_indices(view, view.budget), keydiff.score(view),
+                          positions=view.positions, **tol)
+
+
+test_my_keydiff_matches_refkv()
+print("60 drawn caches: scores and kept tokens agree with refkv")
+
+# %%
+# In your repository
+# ------------------
+#
+# The whole check, as a test file another project would keep next to its kernel
+# (``my_kernels.keydiff`` standing for your binding)::
+#
+#     # tests/test_keydiff_kernel.py
+#     import pytest
+#     from refkv.testing import assert_case, load_cases
+#     from my_kernels import keydiff
+#
+#     CASES = load_cases("tests/golden/vectors/keydiff.json")
+#
+#     @pytest.mark.parametrize("case", CASES, ids=str)
+#     def test_keydiff_kernel(case):
+#         scores, kept = keydiff(case.inputs["keys"], case.budget, **case.params)
+#         assert_case(case, scores=scores, kept=kept)
+#
+# and the end-to-end runs are checked from the command line after your engine has written
+# its own kept positions in the same format::
+#
+#     refkv golden generate tests/golden --policies keydiff
+#     refkv golden check my_outputs/ --against tests/golden
+#
+# The oracle pages of this documentation give the schema of both file kinds, the tolerance
+# rules and the end-to-end format.
+
+workdir.cleanup()
