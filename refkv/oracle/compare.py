@@ -46,9 +46,19 @@ __all__ = [
 ]
 
 
-def _fmt(x) -> str:
+def _fmt(x, digits: int = 10) -> str:
     x = float(x)
-    return repr(x) if not np.isfinite(x) else f"{x:.10g}"
+    return repr(x) if not np.isfinite(x) else f"{x:.{digits}g}"
+
+
+def _fmt_pair(a, b) -> tuple[str, str]:
+    """Two numbers with the fewest digits (at least 6) that still tell them apart."""
+    a, b = float(a), float(b)
+    for digits in range(6, 18):
+        sa, sb = _fmt(a, digits), _fmt(b, digits)
+        if sa != sb or a == b:
+            return sa, sb
+    return repr(a), repr(b)
 
 
 # -- arrays -------------------------------------------------------------------------------
@@ -127,14 +137,15 @@ def compare_arrays(actual, desired, *, rtol: float = 0.0, atol: float = 0.0, che
     if diff is None:
         lines.append(f"first at {name(first)}: actual {a[first]!r}, desired {d[first]!r}")
     else:
-        lines.append(f"first at {name(first)}: actual {_fmt(a[first])}, desired {_fmt(d[first])}, "
-                     f"|diff| {_fmt(diff[first])} > allowed {_fmt(allowed[first])}")
+        sa, sd = _fmt_pair(a[first], d[first])
+        lines.append(f"first at {name(first)}: actual {sa}, desired {sd}, "
+                     f"|diff| {_fmt(diff[first], 4)} > allowed {_fmt(allowed[first], 4)}")
         finite_bad = np.where(~ok & np.isfinite(diff), diff, -np.inf)
         if np.isfinite(finite_bad.max()):
             worst = tuple(int(i) for i in np.unravel_index(np.argmax(finite_bad), finite_bad.shape))
             if worst != first:
-                lines.append(f"largest |diff| {_fmt(diff[worst])} at {name(worst)} "
-                             f"(actual {_fmt(a[worst])}, desired {_fmt(d[worst])})")
+                sa, sd = _fmt_pair(a[worst], d[worst])
+                lines.append(f"largest |diff| {_fmt(diff[worst], 4)} at {name(worst)} (actual {sa}, desired {sd})")
     return Mismatch("values", "\n".join(lines), first, float(a[first]), float(d[first]), count, total)
 
 
@@ -157,10 +168,11 @@ class Swap:
             return (f"{self.where}: candidate evicts position {self.dropped_position}, which the reference "
                     f"protects (must stay), and keeps position {self.kept_position} "
                     f"(reference score {_fmt(self.kept_score)})")
-        return (f"{self.where}: candidate keeps position {self.kept_position} (reference score "
-                f"{_fmt(self.kept_score)}) instead of position {self.dropped_position} (reference score "
-                f"{_fmt(self.dropped_score)}); |difference| {_fmt(abs(self.gap))} "
-                f"{'<=' if abs(self.gap) <= self.threshold else '>'} tolerance {_fmt(self.threshold)}")
+        kept, dropped = _fmt_pair(self.kept_score, self.dropped_score)
+        return (f"{self.where}: candidate keeps position {self.kept_position} (reference score {kept}) "
+                f"instead of position {self.dropped_position} (reference score {dropped}); |difference| "
+                f"{_fmt(abs(self.gap), 4)} {'<=' if abs(self.gap) <= self.threshold else '>'} tolerance "
+                f"{_fmt(self.threshold, 4)}")
 
 
 @dataclass

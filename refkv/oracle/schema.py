@@ -168,8 +168,8 @@ def decode_array(obj, where: str, *, shape: tuple | None = None) -> np.ndarray:
     if shape is not None:
         ok = len(shape) == len(declared) and all(e is None or e == s for e, s in zip(shape, declared))
         if not ok:
-            expected = tuple("*" if e is None else e for e in shape)
-            raise ValueError(f"{where}: shape mismatch: expected {expected}, got {tuple(declared)}")
+            expected = ", ".join("*" if e is None else str(e) for e in shape)
+            raise ValueError(f"{where}: shape mismatch: expected ({expected}), got {tuple(declared)}")
     try:
         if kind == "f":
             values = [_NONFINITE[x] if isinstance(x, str) else x for x in data]

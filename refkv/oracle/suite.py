@@ -67,8 +67,9 @@ VARIANTS: dict[str, list[dict]] = {
 class Recipe:
     """How to build one synthetic vector case.
 
-    ``tokens = budget + block + extra`` tokens are replayed through one layer
-    (``no_eviction`` uses ``budget`` tokens); ``edit`` plants an adversarial feature.
+    ``budget + block * (1 + extra)`` tokens are replayed through one layer in blocks of
+    ``block`` (so earlier blocks evict too, and the last block is full); ``no_eviction``
+    uses ``budget`` tokens; ``edit`` plants an adversarial feature.
     """
 
     comment: str
@@ -77,7 +78,7 @@ class Recipe:
     n_kv_heads: int = 2
     d_head: int = 4
     block: int = 3
-    extra: int = 2
+    extra: int = 1
     layer: int = 3
     edit: str | None = None
     no_eviction: bool = False
@@ -93,7 +94,7 @@ class Recipe:
 RECIPES = (
     Recipe("random keys, GQA, block of 3, deepest layer", variants=True),
     Recipe("random keys, GQA, float32, layer 2", dtype="float32", layer=2, variants=True),
-    Recipe("generation step: a block of one token", block=1, extra=3, variants=True),
+    Recipe("generation step: a block of one token", block=1, extra=4, variants=True),
     Recipe("near-duplicate key planted (near tie)", edit="near-tie"),
     Recipe("zero key planted", edit="zero-norm-key", layer=1),
     Recipe("duplicate key and value planted (exact tie for key-based scores)", edit="duplicate-keys"),
@@ -185,7 +186,7 @@ def _synthetic_case(policy: Policy, recipe: Recipe, budget: int, rng: np.random.
 
 
 def _synthetic_case_at(policy: Policy, recipe: Recipe, budget: int, rng: np.random.Generator, case_id: int):
-    n_tokens = budget if recipe.no_eviction else budget + recipe.block + recipe.extra
+    n_tokens = budget if recipe.no_eviction else budget + recipe.block * (1 + recipe.extra)
     base = random_tokens(rng, recipe.n_heads, recipe.n_kv_heads, recipe.d_head, n_tokens, recipe.dtype)
     attempts = _ATTEMPTS if recipe.edit else 1
     case = None

@@ -1,0 +1,206 @@
+"""Comparison: shape -> dtype -> values, tie-aware retention, end-to-end tie propagation."""
+
+import numpy as np
+import pytest
+
+from refkv.oracle.compare import compare_arrays, compare_end_to_end, compare_retention
+
+# -- arrays ---------------------------------------------------------------------------------
+
+
+def test_shape_is_checked_before_dtype_and_dtype_before_values():
+    mm = compare_arrays(np.zeros((2, 3), dtype=np.int64), np.ones((3, 2)))
+    assert mm.kind == "shape" and "actual (2, 3), desired (3, 2)" in mm.message
+    mm = compare_arrays(np.zeros((2, 3), dtype=np.int64), np.ones((2, 3)))
+    assert mm.kind == "dtype" and "int64 (integer)" in mm.message
+    assert compare_arrays(np.ones(3, dtype=np.float32), np.ones(3)) is None  # same kind
+    assert compare_arrays(np.ones(3, dtype=np.float32), np.ones(3), check_dtype=True).kind == "dtype"
+    assert compare_arrays(np.zeros(3, dtype=np.int64), np.ones(3), check_dtype=False).kind == "values"
+
+
+def test_values_report_count_first_and_largest_difference():
+    desired = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    actual = desired.copy()
+    actual[0, 2] += 0.5
+    actual[1, 1] += 2.0
+    mm = compare_arrays(actual, desired, rtol=1e-6, describe_index=lambda i: f"head {i[0]}, column {i[1]}")
+    assert mm.kind == "values" and (mm.count, mm.total) == (2, 6) and mm.index == (0, 2)
+    assert "first at head 0, column 2: actual 3.5, desired 3" in mm.message
+    assert "largest |diff| 2 at head 1, column 1" in mm.message
+
+
+def test_tolerance_boundary_nan_and_infinities():
+    # |a - d| <= atol + rtol |d| passes at equality (numpy.testing's convention).
+    assert compare_arrays(np.array([1.5]), np.array([1.0]), atol=0.25, rtol=0.25) is None
+    assert compare_arrays(np.array([1.5 + 1e-12]), np.array([1.0]), atol=0.25, rtol=0.25) is not None
+    assert compare_arrays(np.array([np.nan, np.inf, -np.inf]), np.array([np.nan, np.inf, -np.inf])) is None
+    assert compare_arrays(np.array([np.inf]), np.array([-np.inf]), atol=1e300) is not None
+    assert compare_arrays(np.array([np.nan]), np.array([0.0]), atol=1.0) is not None
+    assert compare_arrays(np.array([1e308]), np.array([np.inf]), atol=1e300) is not None
+
+
+# -- retention -----------------------------------------------------------------------------
+SCORES = np.array([[0.9, 0.5, 0.5 + 1e-12, 0.1, 0.7]])
+POSITIONS = np.array([[0, 3, 4, 9, 12]])
+REFERENCE = np.array([[0, 2, 4]])  # top 3: 0.9, 0.7 and 0.5+1e-12
+
+
+def test_equal_sets_pass_without_ties():
+    r = compare_retention(REFERENCE, REFERENCE, SCORES, positions=POSITIONS)
+    assert r.ok and r.ties == []
+
+
+def test_a_swap_within_tolerance_is_an_accepted_tie():
+    r = compare_retention(np.array([[0, 1, 4]]), REFERENCE, SCORES, positions=POSITIONS, atol=1e-9)
+    assert r.ok and len(r.ties) == 1
+    t = r.ties[0]
+    assert (t.kept_position, t.dropped_position) == (3, 4)
+    assert t.gap == pytest.approx(1e-12, abs=1e-15) and t.threshold == pytest.approx(1e-9)
+    assert t.describe() == ("head 0: candidate keeps position 3 (reference score 0.5) instead of position 4 "
+                            "(reference score 0.500000000001); |difference| 1e-12 <= tolerance 1e-09")
+
+
+def test_a_swap_beyond_tolerance_fails_naming_both_tokens_and_scores():
+    r = compare_retention(np.array([[0, 3, 4]]), REFERENCE, SCORES, positions=POSITIONS, atol=1e-9)
+    assert not r.ok and r.head == 0
+    assert r.failure == ("head 0: candidate keeps position 9 (reference score 0.1) instead of position 4 "
+                         "(reference score 0.5); |difference| 0.4 > tolerance 1e-09")
+
+
+def test_exact_ties_pass_even_at_zero_tolerance():
+    scores = np.array([[1.0, 1.0, 0.0]])
+    r = compare_retention(np.array([[0]]), np.array([[1]]), scores)
+    assert r.ok and r.ties[0].gap == 0.0
+
+
+def test_every_pair_of_a_multi_swap_must_be_within_tolerance():
+    # Reference keeps {0, 1} (scores 3.0, 2.0); the candidate keeps {2, 3} (1.99, 1.0): the
+    # 2.0/1.99 pair is a near tie but 3.0 vs 1.0 is not, and that pair is reported.
+    scores = np.array([[3.0, 2.0, 1.99, 1.0]])
+    r = compare_retention(np.array([[2, 3]]), np.array([[0, 1]]), scores, atol=0.05)
+    assert not r.ok and (r.swap.dropped_position, r.swap.kept_position) == (0, 3)
+
+
+def test_evicting_a_protected_token_fails_whatever_the_scores():
+    scores = np.array([[0.0, 5.0, 5.0]])
+    protected = np.array([[True, False, False]])
+    r = compare_retention(np.array([[1, 2]]), np.array([[0, 2]]), scores, protected=protected, atol=100.0)
+    assert not r.ok and "evicts position 0, which the reference protects" in r.failure
+
+
+@pytest.mark.parametrize("actual, match", [
+    (np.array([[0, 0, 4]]), "keeps position 0 .column 0. twice"),
+    (np.array([[0, 2, 7]]), "column 7, outside"),
+    (np.array([[0, 2]]), "shape mismatch"),
+    (np.array([[0.0, 2.0, 4.0]]), "must be integers"),
+])
+def test_malformed_candidates_fail_clearly(actual, match):
+    r = compare_retention(actual, REFERENCE, SCORES, positions=POSITIONS)
+    assert not r.ok
+    assert __import__("re").search(match, r.failure)
+
+
+def test_later_heads_are_reported_only_after_earlier_ones():
+    scores = np.array([[1.0, 0.0], [1.0, 0.0]])
+    r = compare_retention(np.array([[1], [1]]), np.array([[0], [0]]), scores)
+    assert r.head == 0 and r.failure.startswith("head 0:")
+
+
+# -- end to end ------------------------------------------------------------------------------
+def _reference(before=False):
+    """3 blocks x 2 layers x 1 head, budget 2, blocks of 1 token; every layer evicts from block 2 on.
+
+    Block 0 holds {0}, block 1 {0, 1}; block 2 evicts one of {0, 1, 2}. Layer 0's scores
+    leave a near tie between positions 1 and 2.
+    """
+    kept = np.full((3, 2, 1, 2), -1)
+    kept[0, :, 0, :1] = [0]
+    kept[1, :, 0] = [0, 1]
+    kept[2, :, 0] = [0, 2]
+    counts = np.array([[1, 1], [2, 2], [2, 2]])
+    cands = np.full((3, 2, 1, 3), -1)
+    cands[2, :, 0] = [0, 1, 2]
+    cand_n = np.array([[0, 0], [0, 0], [3, 3]])
+    scores = np.full((3, 2, 1, 3), np.nan)
+    scores[2, 0, 0] = [5.0, 1.0, 1.0 + 1e-12]
+    scores[2, 1, 0] = [5.0, 1.0, 3.0]
+    arrays = {"kept": kept, "kept_count": counts, "candidates": cands, "candidate_count": cand_n,
+              "scores": scores, "protected": np.zeros((3, 2, 1, 3), dtype=bool), "logits": np.array([0.5, -1.0])}
+    manifest = {"tolerance": {"scores": {"rtol": 0.0, "atol": 1e-9}, "logits": {"rtol": 0.0, "atol": 1e-9}},
+                "policy": {"evict_before_attention": before}}
+    return arrays, manifest
+
+
+def _candidate(arrays, **changes):
+    out = {k: arrays[k].copy() for k in ("kept", "kept_count", "logits")}
+    out.update(changes)
+    return out
+
+
+def test_end_to_end_identical_candidate_passes():
+    ref, man = _reference()
+    r = compare_end_to_end(_candidate(ref), ref, man)
+    assert r.ok and r.ties == [] and r.decisions == 6 and r.unchecked == 0
+    assert r.logits == "max |diff| 0"
+
+
+def test_end_to_end_tie_in_the_last_block_is_accepted_and_logits_still_compared():
+    ref, man = _reference()
+    kept = ref["kept"].copy()
+    kept[2, 0, 0] = [0, 1]  # layer 0 keeps 1 instead of 2: scores 1.0 vs 1.0 + 1e-12
+    r = compare_end_to_end(_candidate(ref, kept=kept), ref, man)
+    assert r.ok and len(r.ties) == 1 and r.ties[0].where == "block 2, layer 0, head 0"
+    # Eviction after attention in the last block cannot change that block's logits.
+    assert r.logits.startswith("max |diff|")
+
+
+def test_end_to_end_failure_names_block_layer_head_positions_and_scores():
+    ref, man = _reference()
+    kept = ref["kept"].copy()
+    kept[2, 1, 0] = [0, 1]  # layer 1: 1.0 instead of 3.0
+    r = compare_end_to_end(_candidate(ref, kept=kept), ref, man)
+    assert not r.ok
+    assert r.failure == ("block 2, layer 1, head 0: candidate keeps position 1 (reference score 1) instead of "
+                         "position 2 (reference score 3); |difference| 2 > tolerance 1e-09")
+
+
+def test_end_to_end_tie_makes_downstream_decisions_and_logits_unchecked():
+    # Four blocks: a tie at (block 2, layer 0) leaves block 3's layers 0 and 1 and the logits
+    # unchecked; with eviction before attention, (block 2, layer 1) too.
+    ref, man = _reference()
+    ref = {k: np.concatenate([v, v[2:3]]) if v.ndim >= 2 else v for k, v in ref.items()}
+    kept = ref["kept"].copy()
+    kept[2, 0, 0] = [0, 1]
+    kept[3, 0, 0] = [0, 1]
+    kept[3, 1, 0] = [0, 1]  # would be a failure if it were compared
+    cand = _candidate(ref, kept=kept, logits=np.array([9.0, 9.0]))
+    r = compare_end_to_end(cand, ref, man)
+    assert r.ok and len(r.ties) == 1
+    assert (r.decisions, r.unchecked) == (6, 2)
+    assert r.logits.startswith("not compared")
+    man_before = {**man, "policy": {"evict_before_attention": True}}
+    kept[2, 1, 0] = [0, 1]
+    r = compare_end_to_end(_candidate(ref, kept=kept, logits=cand["logits"]), ref, man_before)
+    assert r.ok and (r.decisions, r.unchecked) == (5, 3)
+
+
+def test_end_to_end_counts_and_logits_are_checked():
+    ref, man = _reference()
+    counts = ref["kept_count"].copy()
+    counts[1, 1] = 1
+    r = compare_end_to_end(_candidate(ref, kept_count=counts), ref, man)
+    assert r.failure == "kept_count: block 1, layer 1: candidate holds 1 tokens per head, the reference 2"
+    r = compare_end_to_end(_candidate(ref, logits=np.array([0.5, -1.1])), ref, man)
+    assert r.failure.startswith("logits: values differ: 1 of 2") and "token id 1" in r.failure
+    kept = ref["kept"].copy()
+    kept[1, 0, 0] = [0, 5]
+    r = compare_end_to_end(_candidate(ref, kept=kept), ref, man)
+    assert r.failure.startswith("block 1, layer 0, head 0: kept positions differ but the reference did not evict")
+
+
+def test_strict_ties_turn_a_tie_into_a_failure():
+    ref, man = _reference()
+    kept = ref["kept"].copy()
+    kept[2, 0, 0] = [0, 1]
+    r = compare_end_to_end(_candidate(ref, kept=kept), ref, man, strict_ties=True)
+    assert not r.ok and r.failure.startswith("strict ties: block 2, layer 0, head 0")

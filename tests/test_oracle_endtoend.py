@@ -1,0 +1,143 @@
+"""End-to-end goldens: what they record is what the engine did, decided by the recorded scores."""
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from refkv import Engine, policies
+from refkv.model import builtin_model
+from refkv.oracle import read_end_to_end, run_end_to_end
+from refkv.oracle.endtoend import export_weights, prompt_tokens
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+E2E_FILES = sorted((GOLDEN / "e2e").glob("*/*.json"))
+
+
+def _independent_keep(positions, scores, protected, budget):
+    """Protected first, then higher score, then more recent: Python's sorted, not refkv's select."""
+    order = sorted(range(len(positions)), key=lambda i: (not protected[i], -scores[i], -positions[i]))
+    return sorted(int(positions[i]) for i in order[:budget])
+
+
+@pytest.mark.parametrize("path", E2E_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_recorded_decision_follows_from_its_recorded_scores(path):
+    g = read_end_to_end(path)
+    a, m = g.arrays, g.manifest
+    n_blocks, n_layers, hkv, _ = a["kept"].shape
+    before = m["policy"]["evict_before_attention"]
+    t, bs = len(a["prompt"]), m["block_size"] or len(a["prompt"])
+    sizes = [min(bs, t - s) for s in range(0, t, bs)]
+    assert m["n_blocks"] == n_blocks == len(sizes) and m["evictions"] == int((a["candidate_count"] > 0).sum())
+    for b in range(n_blocks):
+        for l in range(n_layers):
+            k = a["kept_count"][b, l]
+            kept = a["kept"][b, l, :, :k]
+            assert (a["kept"][b, l, :, k:] == -1).all() and (np.diff(kept, axis=1) > 0).all()
+            c = a["candidate_count"][b, l]
+            if c == 0:
+                continue
+            # Evicting after attention keeps N of the candidates; before attention, N - B
+            # (the block arrives afterwards and is kept by everyone).
+            n_keep = m["budget"] - sizes[b] if before else m["budget"]
+            for h in range(hkv):
+                cand = a["candidates"][b, l, h, :c]
+                own = kept[h][np.isin(kept[h], cand)]
+                assert len(own) == n_keep
+                expected = _independent_keep(cand, a["scores"][b, l, h, :c], a["protected"][b, l, h, :c], n_keep)
+                assert own.tolist() == expected, (b, l, h)
+
+
+def test_run_end_to_end_records_the_engine_trace_and_logits():
+    policy = policies.get("keydiff")
+    manifest, arrays = run_end_to_end(policy, budget=8, block_size=4, dtype="float64", prompt_length=20)
+    model = builtin_model(seed=0, dtype=np.float64)
+    prompt = prompt_tokens(1, 20, model.config.vocab_size)
+    engine = Engine(model, policy, 8, record=True)
+    logits = engine.prefill(prompt, 4)
+    assert np.array_equal(arrays["prompt"], prompt) and np.array_equal(arrays["logits"], logits)
+    for b, per_block in enumerate(engine.trace.kept):
+        for l, positions in enumerate(per_block):
+            k = arrays["kept_count"][b, l]
+            assert np.array_equal(arrays["kept"][b, l, :, :k], positions)
+    assert manifest["budget"] == 8 and manifest["block_size"] == 4 and manifest["dtype"] == "float64"
+    assert manifest["policy"]["params"]["anchor"] == "unit_mean"
+
+
+def test_the_unbounded_golden_matches_a_full_forward_pass():
+    # An independent route: no cache, no blocks, scipy softmax (Model.forward_full).
+    g = read_end_to_end(GOLDEN / "e2e" / "full" / "Nnone-B8-float64.json")
+    model = builtin_model(seed=g.manifest["model"]["seed"], dtype=np.float64)
+    expected = model.forward_full(g.arrays["prompt"])[-1]
+    np.testing.assert_allclose(g.arrays["logits"], expected, rtol=1e-10, atol=1e-10)
+    assert g.arrays["kept_count"][-1].tolist() == [len(g.arrays["prompt"])] * model.config.n_layers
+
+
+def test_prompt_rule_is_the_documented_one():
+    g = read_end_to_end(E2E_FILES[0])
+    p = g.manifest["prompt"]
+    vocab = g.manifest["model"]["config"]["vocab_size"]
+    assert p["rule"] == "numpy.random.default_rng(seed).integers(0, vocab_size, length)"
+    assert np.array_equal(g.arrays["prompt"], np.random.default_rng(p["seed"]).integers(0, vocab, p["length"]))
+
+
+@pytest.fixture
+def golden_copy(tmp_path):
+    src = GOLDEN / "e2e" / "sink"
+    for f in src.glob("N8-B4-float64.*"):
+        shutil.copy(f, tmp_path / f.name)
+    return tmp_path / "N8-B4-float64.json"
+
+
+def test_reader_rejects_unknown_version_missing_array_and_bad_shapes(golden_copy):
+    from refkv.oracle.io import read_npz, write_npz
+
+    m = json.loads(golden_copy.read_text())
+    golden_copy.write_text(json.dumps({**m, "schema_version": 7}))
+    with pytest.raises(ValueError, match="unknown schema version 7 of refkv-e2e"):
+        read_end_to_end(golden_copy)
+    golden_copy.write_text(json.dumps({k: v for k, v in m.items() if k != "budget"}))
+    with pytest.raises(ValueError, match="missing field 'budget'"):
+        read_end_to_end(golden_copy)
+    golden_copy.write_text(json.dumps(m))
+    npz = golden_copy.with_suffix(".npz")
+    arrays = read_npz(npz)
+    write_npz(npz, {k: v for k, v in arrays.items() if k != "scores"})
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        read_end_to_end(golden_copy)
+    m2 = {**m, "arrays": {k: v for k, v in m["arrays"].items() if k != "sha256"}}
+    golden_copy.write_text(json.dumps(m2))
+    with pytest.raises(ValueError, match="missing array 'scores'"):
+        read_end_to_end(golden_copy)
+    write_npz(npz, {**arrays, "logits": arrays["logits"][:-1]})
+    with pytest.raises(ValueError, match="shape mismatch: array 'logits' has shape"):
+        read_end_to_end(golden_copy)
+
+
+def test_candidate_goldens_need_only_kept_counts_and_logits(golden_copy):
+    from refkv.oracle.endtoend import write_end_to_end
+    from refkv.oracle.io import read_npz
+
+    ref = read_end_to_end(golden_copy)
+    arrays = read_npz(golden_copy.with_suffix(".npz"))
+    mine = golden_copy.parent / "mine.json"
+    write_end_to_end(mine, {k: v for k, v in ref.manifest.items() if k != "arrays"},
+                     {k: arrays[k] for k in ("kept", "kept_count", "logits")})
+    assert set(read_end_to_end(mine, candidate=True).arrays) == {"kept", "kept_count", "logits"}
+    with pytest.raises(ValueError, match="missing array 'prompt'"):
+        read_end_to_end(mine)  # as a reference it lacks arrays
+
+
+def test_exported_weights_are_the_builtin_model(tmp_path):
+    m = export_weights(tmp_path / "w.npz", seed=0, dtype="float32")
+    model = builtin_model(seed=0, dtype=np.float32)
+    with np.load(tmp_path / "w.npz", allow_pickle=False) as z:
+        assert np.array_equal(z["embed"], model.weights.embed) and z["embed"].dtype == np.float32
+        assert np.array_equal(z["layers.3.w_down"], model.weights.layers[3].w_down)
+        assert len(z.files) == 2 + 9 * model.config.n_layers  # tied head: no lm_head
+    assert json.loads((tmp_path / "w.json").read_text())["model"]["config"] == model.config.to_dict()
+    assert m["arrays"]["contents"]["layers.0.wq"]["shape"] == [64, 64]
+    with pytest.raises(ValueError, match=r"must end in .npz"):
+        export_weights(tmp_path / "w.bin")

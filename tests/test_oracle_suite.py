@@ -1,0 +1,198 @@
+"""The committed golden suite: complete, intact, deterministic; and the ``refkv golden`` command."""
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from refkv import policies
+from refkv.cli import main
+from refkv.oracle import check_suite, generate_suite, read_suite
+from refkv.oracle.io import read_npz, write_json, write_npz
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+REGENERATE = "regenerate with: refkv golden generate --out tests/golden"
+VERSION_FIELDS = {"refkv_version", "numpy_version"}
+
+
+def test_the_suite_is_intact_and_small():
+    index = read_suite(GOLDEN)  # verifies every file's sha256
+    size = sum(f.stat().st_size for f in GOLDEN.rglob("*") if f.is_file())
+    assert size < 2_000_000, f"the committed suite is {size} bytes"
+    listed = {e["path"] for e in index["files"]}
+    on_disk = {str(p.relative_to(GOLDEN)) for p in GOLDEN.rglob("*.json")} - {"suite.json"}
+    assert listed == on_disk
+
+
+def test_every_registered_policy_has_goldens():
+    index = read_suite(GOLDEN)
+    missing = sorted(set(policies.available()) - set(index["policies"]))
+    assert not missing, f"no goldens for {missing}; {REGENERATE}"
+    for name in index["policies"]:
+        kinds = {e["kind"] for e in index["files"] if e["policy"] == name}
+        assert "e2e" in kinds, name
+        assert "vectors" in kinds, name
+
+
+def _strip(obj):
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items() if k not in VERSION_FIELDS and k != "sha256"}
+    if isinstance(obj, list):
+        return [_strip(v) for v in obj]
+    return obj
+
+
+def test_regenerating_the_suite_changes_nothing(tmp_path):
+    # Content, not bytes: the version strings and the checksums over them may differ on
+    # another machine; every number, case, position and flag must not.
+    generate_suite(tmp_path)
+    old = sorted(p.relative_to(GOLDEN) for p in GOLDEN.rglob("*") if p.is_file())
+    new = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert old == new, REGENERATE
+    for rel in old:
+        if rel.suffix == ".json":
+            a, b = json.loads((GOLDEN / rel).read_text()), json.loads((tmp_path / rel).read_text())
+            assert _strip(a) == _strip(b), f"{rel} differs; {REGENERATE}"
+        else:
+            a, b = read_npz(GOLDEN / rel), read_npz(tmp_path / rel)
+            assert sorted(a) == sorted(b)
+            for name in a:
+                assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name], equal_nan=True), \
+                    f"{rel}:{name} differs; {REGENERATE}"
+    if json.loads((GOLDEN / "suite.json").read_text())["numpy_version"] == np.__version__:
+        for rel in old:  # same versions: byte for byte
+            assert (GOLDEN / rel).read_bytes() == (tmp_path / rel).read_bytes(), rel
+
+
+def test_the_suite_passes_against_itself_with_no_ties():
+    report = check_suite(GOLDEN, GOLDEN)
+    assert report.ok and len(report.files) == len(read_suite(GOLDEN)["files"])
+    assert all(f.status == "ok" for f in report.files)
+
+
+def test_a_tampered_reference_is_refused(tmp_path):
+    shutil.copytree(GOLDEN, tmp_path / "g")
+    path = tmp_path / "g" / "vectors" / "sink.json"
+    path.write_text(path.read_text().replace('"budget": 6', '"budget": 7', 1))
+    with pytest.raises(ValueError, match=r"sink.json: checksum mismatch with suite.json"):
+        read_suite(tmp_path / "g")
+
+
+# -- candidates through the command line -----------------------------------------------------------
+@pytest.fixture
+def candidate(tmp_path):
+    """A copy of the committed suite's h2o and keydiff files, to be spoiled by each test."""
+    root = tmp_path / "cand"
+    for sub in ("vectors", "e2e"):
+        (root / sub).mkdir(parents=True)
+    for name in ("h2o", "keydiff"):
+        shutil.copy(GOLDEN / "vectors" / f"{name}.json", root / "vectors")
+        shutil.copytree(GOLDEN / "e2e" / name, root / "e2e" / name)
+    return root
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_check_passes_an_exact_copy(capsys, candidate):
+    code, out = _run(capsys, "golden", "check", str(candidate), "--against", str(GOLDEN), "--policies", "h2o,keydiff")
+    assert code == 0 and out.rstrip().endswith("PASS")
+
+
+def test_check_reports_missing_files_unless_allowed(capsys, candidate):
+    code, out = _run(capsys, "golden", "check", str(candidate), "--against", str(GOLDEN), "--policies", "sink")
+    assert code == 1 and "MISS vectors/sink.json" in out
+    code, out = _run(capsys, "golden", "check", str(candidate), "--against", str(GOLDEN), "--allow-missing")
+    assert code == 0
+
+
+def test_check_names_the_first_end_to_end_divergence(capsys, candidate):
+    rel = "e2e/h2o/N8-B4-float64"
+    ref = read_npz(GOLDEN / f"{rel}.npz")
+    arrays = {k: ref[k].copy() for k in ("kept", "kept_count", "logits")}
+    # In the first eviction of layer 0, head 0: keep the worst-scored evicted token instead
+    # of the worst-scored kept one.
+    b = int(np.argmax(ref["candidate_count"][:, 0] > 0))
+    c = ref["candidate_count"][b, 0]
+    cand, scores, prot = ref["candidates"][b, 0, 0, :c], ref["scores"][b, 0, 0, :c], ref["protected"][b, 0, 0, :c]
+    kept = arrays["kept"][b, 0, 0, :ref["kept_count"][b, 0]]
+    evicted = [i for i in range(c) if cand[i] not in kept]
+    inside = [i for i in range(c) if cand[i] in kept and not prot[i]]
+    out_i = min(evicted, key=lambda i: scores[i])
+    in_i = min(inside, key=lambda i: scores[i])
+    arrays["kept"][b, 0, 0, :len(kept)] = np.sort(np.where(kept == cand[in_i], cand[out_i], kept))
+    write_npz(candidate / f"{rel}.npz", arrays)
+    code, out = _run(capsys, "golden", "check", str(candidate), "--against", str(GOLDEN), "--policies", "h2o",
+                     "--kind", "e2e")
+    assert code == 1
+    assert f"FAIL {rel}.json" in out
+    assert (f"block {b}, layer 0, head 0: candidate keeps position {cand[out_i]} (reference score" in out
+            and f"instead of position {cand[in_i]} (reference score" in out)
+
+
+def test_check_accepts_a_swap_at_the_closest_call_as_a_tie(capsys, candidate):
+    # With tolerances scaled up past the golden's closest call, swapping those two tokens is
+    # a tie: accepted, reported, and what follows it is not compared.
+    rel = "e2e/keydiff/N8-B4-float64"
+    man = json.loads((GOLDEN / f"{rel}.json").read_text())
+    ref = read_npz(GOLDEN / f"{rel}.npz")
+    call = man["closest_call"]
+    b, l, h = call["block"], call["layer"], call["head"]
+    c = ref["candidate_count"][b, l]
+    cand, scores, prot = ref["candidates"][b, l, h, :c], ref["scores"][b, l, h, :c], ref["protected"][b, l, h, :c]
+    k = ref["kept_count"][b, l]
+    kept = ref["kept"][b, l, h, :k].copy()
+    inside = [i for i in range(c) if cand[i] in kept and not prot[i]]
+    evicted = [i for i in range(c) if cand[i] not in kept]
+    low = min(inside, key=lambda i: scores[i])
+    high = max(evicted, key=lambda i: scores[i])
+    assert scores[low] - scores[high] == pytest.approx(call["gap"])
+    arrays = {n: ref[n].copy() for n in ("kept", "kept_count", "logits")}
+    arrays["kept"][b, l, h, :k] = np.sort(np.where(kept == cand[low], cand[high], kept))
+    write_npz(candidate / f"{rel}.npz", arrays)
+    argv = ["golden", "check", str(candidate), "--against", str(GOLDEN), "--policies", "keydiff", "--kind", "e2e"]
+    code, out = _run(capsys, *argv)
+    assert code == 1 and "> tolerance" in out  # the gap is far above the suite's own tolerance
+    factor = 2 * call["gap"] / man["tolerance"]["scores"]["atol"]
+    code, out = _run(capsys, *argv, "--tolerance-factor", str(factor))
+    assert code == 0, out
+    assert f"TIE  {rel}.json" in out and f"tie accepted: block {b}, layer {l}, head {h}" in out
+    code, out = _run(capsys, *argv, "--tolerance-factor", str(factor), "--strict-ties")
+    assert code == 1 and "strict ties" in out
+
+
+def test_check_reports_vector_failures_per_case(capsys, candidate):
+    path = candidate / "vectors" / "keydiff.json"
+    doc = json.loads(path.read_text())
+    case = doc["groups"][0]["cases"][0]
+    case["outputs"]["scores"]["data"][0] += 0.5
+    write_json(path, doc)
+    code, out = _run(capsys, "golden", "check", str(candidate), "--against", str(GOLDEN), "--policies", "keydiff",
+                     "--kind", "vectors")
+    assert code == 1
+    assert "FAIL vectors/keydiff.json" in out and "keydiff case 1 [" in out
+    assert "scores: values differ: 1 of" in out and "first at head 0, position" in out
+
+
+def test_generate_writes_a_suite_for_chosen_policies_and_removes_stale_files(capsys, tmp_path):
+    code, out = _run(capsys, "golden", "generate", "--out", str(tmp_path), "--policies", "sink", "knorm", "--quiet")
+    assert code == 0 and "for 2 policies" in out
+    assert read_suite(tmp_path)["policies"] == ["sink", "knorm"]
+    code, out = _run(capsys, "golden", "generate", "--out", str(tmp_path), "--policies", "sink", "--quiet")
+    assert not (tmp_path / "vectors" / "knorm.json").exists() and not list((tmp_path / "e2e" / "knorm").iterdir())
+    code, out = _run(capsys, "golden", "check", str(tmp_path), "--against", str(GOLDEN), "--policies", "sink")
+    assert code == 0
+
+
+def test_usage_errors_exit_2_with_a_message(capsys, tmp_path):
+    code, out = _run(capsys, "golden", "generate", "--out", str(tmp_path), "--policies", "nosuch")
+    assert code == 2 and "unknown policy 'nosuch'" in out
+    code, out = _run(capsys, "golden", "check", str(tmp_path / "absent"), "--against", str(GOLDEN))
+    assert code == 2 and "does not exist" in out
+    code, out = _run(capsys, "golden", "check", str(GOLDEN), "--against", str(tmp_path))
+    assert code == 2 and "has no suite.json" in out
