@@ -1,0 +1,96 @@
+"""Correctness of the helpers the benchmark scripts rely on (bench/harness.py); no timing is asserted."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture(scope="module")
+def harness():
+    spec = importlib.util.spec_from_file_location("bench_harness", BENCH / "harness.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("power", [0.5, 1.0, 2.0, 3.0])
+def test_growth_exponent_recovers_a_power_law(harness, power):
+    sizes = [256, 1024, 4096, 32768]
+    values = [7.0 * n**power for n in sizes]
+    assert math.isclose(harness.growth_exponent(sizes, values), power, rel_tol=1e-12)
+
+
+def test_growth_exponent_of_two_points_is_the_log_ratio(harness):
+    # Time doubles when n quadruples: p = log 2 / log 4 = 0.5.
+    assert math.isclose(harness.growth_exponent([1000, 4000], [3.0, 6.0]), 0.5, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("sizes, values", [([1024], [1.0]), ([8, 8], [1.0, 2.0]), ([8, 16], [1.0, 0.0]),
+                                           ([8, 16], [1.0])])
+def test_growth_exponent_rejects_unfittable_input(harness, sizes, values):
+    with pytest.raises(ValueError):
+        harness.growth_exponent(sizes, values)
+
+
+def test_rst_table_parses_as_a_table(harness):
+    docutils_core = pytest.importorskip("docutils.core")
+    # "-" and "* x" alone in a cell would be read as bullet lists: they must come out as text.
+    text = harness.rst_table(["policy", "1K"], [["keydiff", 2.5], ["pairwise (Eq. 7)", "-"], ["-1.5", "* x"],
+                                                      ["", "+"]])
+    doctree = docutils_core.publish_doctree(text, settings_overrides={"report_level": 5})
+    entries = [e.astext() for e in doctree.findall(lambda node: node.tagname == "entry")]
+    assert entries == ["policy", "1K", "keydiff", "2.5", "pairwise (Eq. 7)", "-", "-1.5", "* x", "", "+"]
+
+
+def test_rst_table_rejects_ragged_rows(harness):
+    with pytest.raises(ValueError):
+        harness.rst_table(["a", "b"], [["only one"]])
+
+
+def test_write_json_round_trips_and_leaves_no_temporary(harness, tmp_path):
+    target = tmp_path / "out.json"
+    harness.write_json(target, {"n": [1, 2], "x": 0.5})
+    harness.write_json(target, {"n": [3]})  # replaces the old file
+    assert json.loads(target.read_text()) == {"n": [3]}
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def test_write_json_keeps_the_old_file_when_encoding_fails(harness, tmp_path):
+    target = tmp_path / "out.json"
+    harness.write_json(target, {"ok": 1})
+    with pytest.raises(TypeError):
+        harness.write_json(target, {"bad": object()})
+    assert json.loads(target.read_text()) == {"ok": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def test_peak_extra_bytes_sees_numpy_buffers(harness):
+    size = 4_000_000
+
+    def allocate():
+        return np.ones(size // 8)  # float64: `size` bytes
+
+    peak = harness.peak_extra_bytes(allocate)
+    assert size <= peak < size + 1_000_000
+
+
+def test_peak_extra_bytes_counts_temporaries_freed_before_return(harness):
+    def temporary():
+        big = np.zeros(1_000_000, dtype=np.uint8)
+        return int(big.sum())
+
+    assert harness.peak_extra_bytes(temporary) >= 1_000_000
+
+
+def test_median_time_calls_the_function_and_is_positive(harness):
+    calls = []
+    seconds = harness.median_time(lambda: calls.append(1), repeats=3, min_sample=0.0)
+    assert seconds >= 0.0 and len(calls) >= 4  # a warm-up call, then at least one per sample
+    with pytest.raises(ValueError):
+        harness.median_time(lambda: None, repeats=0)
