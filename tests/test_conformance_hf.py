@@ -87,3 +87,16 @@ def test_gguf_path_matches_transformers_on_a_small_model(tmp_path):
     tokens = np.arange(3, 250, 9)
     theirs = hf_logits(hf_model(Model(SMALL, weights)), tokens)
     np.testing.assert_allclose(ours.forward_full(tokens), theirs, rtol=0, atol=1e-5 * np.abs(theirs).max())
+
+
+def test_checkpoint_saved_by_transformers_loads_in_refkv(tmp_path):
+    from test_gguf import SMALL
+
+    from refkv.model import load
+
+    hf = hf_model(Model(SMALL, random_weights(SMALL, seed=12, dtype=np.float32)))
+    hf.save_pretrained(tmp_path / "ckpt")
+    ours = load(tmp_path / "ckpt")
+    tokens = np.arange(5, 260, 11)
+    theirs = hf_logits(hf, tokens)
+    np.testing.assert_allclose(ours.forward_full(tokens), theirs, rtol=0, atol=1e-5 * np.abs(theirs).max())

@@ -16,7 +16,9 @@ already in the "rotate half" RoPE order refkv uses, so projections are only
 transposed (no un-permutation, unlike GGUF).
 
 **Accepted configs.** ``model_type`` ``"llama"`` (or a ``LlamaForCausalLM``
-architecture), ``hidden_act`` ``"silu"``, no attention/MLP biases, no ``rope_scaling``.
+architecture), ``hidden_act`` ``"silu"``, no attention/MLP biases, plain RoPE: the base
+comes from ``rope_parameters.rope_theta`` (transformers 5) or ``rope_theta`` (version
+4, default 10000); any ``rope_type`` other than ``"default"`` is refused.
 
 **Tokenizer.** If ``tokenizer.json`` is present and describes a byte-level BPE, it is
 turned into the same :class:`~refkv.model.tokenizer.Tokenizer` the GGUF path builds
@@ -93,8 +95,12 @@ def _config(path: Path) -> ModelConfig:
         raise CheckpointError(f"{file}: model_type {arch!r} is not supported; refkv reads Llama checkpoints")
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise CheckpointError(f"{file}: only SiLU MLPs without biases are supported")
-    if cfg.get("rope_scaling"):
-        raise CheckpointError(f"{file}: rope_scaling {cfg['rope_scaling']!r} is not supported (plain RoPE only)")
+    # transformers 5 writes "rope_parameters" {"rope_type", "rope_theta"}; version 4 wrote
+    # "rope_theta" and an optional "rope_scaling" {"type" or "rope_type", ...}.
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise CheckpointError(f"{file}: RoPE scaling {rope!r} is not supported (plain RoPE only)")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     heads = int(cfg["num_attention_heads"])
     try:
         return ModelConfig(
@@ -102,7 +108,7 @@ def _config(path: Path) -> ModelConfig:
             n_layers=int(cfg["num_hidden_layers"]), n_heads=heads,
             n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             d_head=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-            d_ff=int(cfg["intermediate_size"]), rope_base=float(cfg.get("rope_theta", 10000.0)),
+            d_ff=int(cfg["intermediate_size"]), rope_base=float(theta),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_positions=int(cfg.get("max_position_embeddings", 2048)), name=path.name)
     except (KeyError, ValueError) as err:

@@ -1,0 +1,159 @@
+"""Hugging Face checkpoint directories (config.json + safetensors), written here by hand."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from test_gguf import SMALL, assert_same_weights
+
+from refkv.model import load, load_with_tokenizer, random_weights
+from refkv.model.gguf import ModelNotFoundError
+from refkv.model.safetensors_dir import CheckpointError, read_safetensors
+
+
+def write_safetensors(path, tensors: dict, dtype="F32"):
+    """The format from its specification: u64 header length, JSON header, raw bytes."""
+    header, blobs, offset = {}, [], 0
+    for name, array in tensors.items():
+        if dtype == "BF16":  # keep the top 16 bits of each float32 (round toward zero)
+            raw = (np.ascontiguousarray(array, dtype="<f4").view("<u4") >> 16).astype("<u2").tobytes()
+        else:
+            raw = np.ascontiguousarray(array, dtype={"F32": "<f4", "F16": "<f2"}[dtype]).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def hf_tensors(weights) -> dict:
+    out = {"model.embed_tokens.weight": weights.embed, "model.norm.weight": weights.final_norm}
+    for i, lw in enumerate(weights.layers):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": lw.attn_norm, p + "post_attention_layernorm.weight": lw.mlp_norm,
+                    p + "self_attn.q_proj.weight": lw.wq.T, p + "self_attn.k_proj.weight": lw.wk.T,
+                    p + "self_attn.v_proj.weight": lw.wv.T, p + "self_attn.o_proj.weight": lw.wo.T,
+                    p + "mlp.gate_proj.weight": lw.w_gate.T, p + "mlp.up_proj.weight": lw.w_up.T,
+                    p + "mlp.down_proj.weight": lw.w_down.T})
+    return out
+
+
+def write_checkpoint(folder, weights, dtype="F32", **config_changes):
+    folder.mkdir(exist_ok=True)
+    config = {"model_type": "llama", "vocab_size": SMALL.vocab_size, "hidden_size": SMALL.d_model,
+              "intermediate_size": SMALL.d_ff, "num_hidden_layers": SMALL.n_layers,
+              "num_attention_heads": SMALL.n_heads, "num_key_value_heads": SMALL.n_kv_heads,
+              "rope_theta": SMALL.rope_base, "rms_norm_eps": SMALL.norm_eps, "tie_word_embeddings": True,
+              "max_position_embeddings": SMALL.max_positions, "hidden_act": "silu"}
+    config.update(config_changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = hf_tensors(weights)
+    names = sorted(tensors)
+    half = len(names) // 2  # two shards, as large checkpoints have
+    write_safetensors(folder / "model-00001-of-00002.safetensors", {n: tensors[n] for n in names[:half]}, dtype)
+    write_safetensors(folder / "model-00002-of-00002.safetensors", {n: tensors[n] for n in names[half:]}, dtype)
+
+
+@pytest.fixture
+def weights():
+    return random_weights(SMALL, seed=5, dtype=np.float32)
+
+
+def test_float32_checkpoint_reads_back_exactly(tmp_path, weights):
+    write_checkpoint(tmp_path / "ckpt", weights)
+    model = load(tmp_path / "ckpt")
+    assert model.config == SMALL.replace(name="ckpt")
+    assert_same_weights(model.weights, weights)
+
+
+def test_bfloat16_is_widened_exactly(tmp_path, weights):
+    write_checkpoint(tmp_path / "ckpt", weights, dtype="BF16")
+    model = load(tmp_path / "ckpt", dtype=np.float64)
+    truncated = weights.layers[0].wq.view(np.uint32) & np.uint32(0xFFFF0000)
+    np.testing.assert_array_equal(model.weights.layers[0].wq, truncated.view(np.float32).astype(np.float64))
+
+
+def test_rope_base_from_transformers_5_config(tmp_path, weights):
+    write_checkpoint(tmp_path / "ckpt", weights, rope_theta=None,
+                     rope_parameters={"rope_type": "default", "rope_theta": 12345.0})
+    assert load(tmp_path / "ckpt").config.rope_base == 12345.0
+
+
+def test_float16(tmp_path, weights):
+    write_checkpoint(tmp_path / "ckpt", weights, dtype="F16")
+    model = load(tmp_path / "ckpt")
+    assert_same_weights(model.weights, weights, atol=2e-3)
+
+
+def test_the_safetensors_package_reads_what_we_write_and_vice_versa(tmp_path, weights):
+    st = pytest.importorskip("safetensors.numpy")
+    tensors = {k: np.ascontiguousarray(v) for k, v in hf_tensors(weights).items()}
+    st.save_file(tensors, str(tmp_path / "a.safetensors"))
+    got = read_safetensors(tmp_path / "a.safetensors")
+    assert set(got) == set(tensors) and all(np.array_equal(got[k], tensors[k]) for k in tensors)
+    write_safetensors(tmp_path / "b.safetensors", tensors)
+    theirs = st.load_file(str(tmp_path / "b.safetensors"))
+    assert all(np.array_equal(theirs[k], tensors[k]) for k in tensors)
+
+
+def test_tokenizer_json_is_read(tmp_path, weights):
+    from test_gguf import write_gguf
+
+    from refkv.model import Tokenizer
+
+    write_gguf(tmp_path / "small.gguf")
+    reference = Tokenizer.from_gguf(tmp_path / "small.gguf")
+    write_checkpoint(tmp_path / "ckpt", weights)
+    reference.backend.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    (tmp_path / "ckpt" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    _, tok = load_with_tokenizer(tmp_path / "ckpt")
+    assert tok.vocab.tokens == reference.vocab.tokens and tok.vocab.pre == "smollm"
+    assert tok.eos_id == 2 and tok.special_ids == reference.special_ids
+    assert tok.encode("the 42 others") == reference.encode("the 42 others")
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"model_type": "gpt2", "architectures": []}, "model_type 'gpt2'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "RoPE scaling"),
+    ({"hidden_act": "gelu"}, "SiLU"),
+    ({"intermediate_size": 80}, r"has shape \(96, 64\), config implies \(80, 64\)"),
+])
+def test_bad_configs(tmp_path, weights, change, message):
+    write_checkpoint(tmp_path / "ckpt", weights, **change)
+    with pytest.raises(CheckpointError, match=message):
+        load(tmp_path / "ckpt")
+
+
+def test_missing_pieces(tmp_path, weights):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match=r"no config\.json"):
+        load(tmp_path / "empty")
+    write_checkpoint(tmp_path / "ckpt", weights)
+    for f in (tmp_path / "ckpt").glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ModelNotFoundError, match=r"no \*\.safetensors"):
+        load(tmp_path / "ckpt")
+
+
+def test_truncated_and_corrupt_files(tmp_path, weights):
+    path = tmp_path / "x.safetensors"
+    write_safetensors(path, {"a": np.ones((4, 4), np.float32)})
+    data = path.read_bytes()
+    path.write_bytes(data[:-8])
+    with pytest.raises(CheckpointError, match="truncated"):
+        read_safetensors(path)
+    path.write_bytes(struct.pack("<Q", 10**9) + b"{}")
+    with pytest.raises(CheckpointError, match="header length"):
+        read_safetensors(path)
+    path.write_bytes(struct.pack("<Q", 3) + b"{x}")
+    with pytest.raises(CheckpointError, match="not JSON"):
+        read_safetensors(path)
+    path.write_bytes(b"abc")
+    with pytest.raises(CheckpointError, match="too short"):
+        read_safetensors(path)
+    header = json.dumps({"a": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    with pytest.raises(CheckpointError, match="dtype I64"):
+        read_safetensors(path)
