@@ -34,6 +34,10 @@ def add_golden_command(sub) -> None:
     c.add_argument("--policies", nargs="+", metavar="NAME", help="only these policies")
     c.add_argument("--kind", choices=("all", "vectors", "e2e"), default="all", help="which files to check")
     c.add_argument("--allow-missing", action="store_true", help="skip suite files the candidate lacks")
+    c.add_argument("--dtype", choices=("float32", "float64"),
+                   help="only cases and end-to-end goldens of this dtype (e.g. a float32-only kernel)")
+    c.add_argument("--default-params", action="store_true",
+                   help="only vector cases with the policies' default parameters (no variants)")
     c.add_argument("--strict-ties", action="store_true",
                    help="fail on accepted ties too (the candidate must follow refkv's tie rule exactly)")
     c.add_argument("--tolerance-factor", type=float, default=1.0,
@@ -70,7 +74,8 @@ def _cmd_check(args) -> int:
     kinds = ("vectors", "e2e") if args.kind == "all" else (args.kind,)
     report = check_suite(args.candidate, args.against, policies=_names(args.policies), kinds=kinds,
                          allow_missing=args.allow_missing, tolerance_factor=args.tolerance_factor,
-                         strict_ties=args.strict_ties, check_dtype=True if args.exact_dtype else "kind")
+                         strict_ties=args.strict_ties, check_dtype=True if args.exact_dtype else "kind",
+                         dtype=args.dtype, default_params_only=args.default_params)
     print(report.format(verbose=args.verbose))
     if not report.files:
         print("refkv golden check: nothing was compared", file=sys.stderr)

@@ -23,7 +23,7 @@ attention, at (``b``, ``l' > l``) -- and the final logits, if they depend on it,
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -461,13 +461,25 @@ class FileReport:
 
 
 def check_vector_file(candidate_path, reference_path, *, tolerance_factor: float = 1.0,
-                      strict_ties: bool = False, check_dtype="kind", rel: str | None = None) -> FileReport:
-    """Compare a candidate vectors file with the reference one, case by case (matched by id)."""
-    from .vectors import read_vectors
+                      strict_ties: bool = False, check_dtype="kind", rel: str | None = None,
+                      dtype: str | None = None, default_params_only: bool = False) -> FileReport:
+    """Compare a candidate vectors file with the reference one, case by case (matched by id).
+
+    ``dtype`` and ``default_params_only`` select the reference cases compared (for a
+    float32-only kernel, or one without a policy's optional variants); the others are
+    not compared even if the candidate has them.
+    """
+    from ..policies import get
+    from .vectors import json_params, read_vectors
 
     rel = rel or str(reference_path)
     ref = read_vectors(reference_path)
     cand = read_vectors(candidate_path, candidate=True)
+    all_ids = {c.id for c in ref.cases}
+    if dtype is not None or default_params_only:
+        defaults = json_params(get(ref.policy).params()) if default_params_only else None
+        ref = replace(ref, cases=[c for c in ref.cases if (dtype is None or c.dtype == dtype)
+                                  and (defaults is None or c.params == defaults)])
     report = FileReport(rel, "vectors", "ok")
     if cand.policy != ref.policy:
         report.status = "fail"
@@ -489,7 +501,7 @@ def check_vector_file(candidate_path, reference_path, *, tolerance_factor: float
         elif res.status == "tie":
             n_tie += 1
             report.ties.extend(f"{res.label}: {t.describe()}" for t in res.ties)
-    unknown = sorted(set(by_id) - {c.id for c in ref.cases})
+    unknown = sorted(set(by_id) - all_ids)
     if unknown:
         report.failures.append(f"candidate has case ids the reference does not: {unknown}")
         n_fail += 1
@@ -558,20 +570,26 @@ class SuiteReport:
                 lines.append(f"     ... {len(f.ties) - 5} more ties (--verbose lists them)")
         c = self.counts()
         n_ties = sum(len(f.ties) for f in self.files)
-        lines.append(f"{len(self.files)} files: {c['ok'] + c['tie']} passed ({c['tie']} with {n_ties} accepted "
-                     f"ties), {c['fail']} failed, {c['missing']} missing; {self.seconds:.2f} s")
+        n = len(self.files)
+        ties = f" ({c['tie']} with {n_ties} accepted ties)" if n_ties else ""
+        lines.append(f"{n} file{'s' if n != 1 else ''}: {c['ok'] + c['tie']} passed{ties}, {c['fail']} failed, "
+                     f"{c['missing']} missing; {self.seconds:.2f} s")
         lines.append("PASS" if self.ok else "FAIL")
         return "\n".join(lines)
 
 
 def check_suite(candidate_dir, reference_dir, *, policies: Sequence[str] | None = None,
                 kinds: Sequence[str] = ("vectors", "e2e"), allow_missing: bool = False,
-                tolerance_factor: float = 1.0, strict_ties: bool = False, check_dtype="kind") -> SuiteReport:
+                tolerance_factor: float = 1.0, strict_ties: bool = False, check_dtype="kind",
+                dtype: str | None = None, default_params_only: bool = False) -> SuiteReport:
     """Compare every file of a candidate directory with the reference suite.
 
     The candidate directory mirrors the reference's layout (``vectors/<policy>.json``,
     ``e2e/<policy>/<setting>.json`` + ``.npz``), each file holding the candidate's outputs
     in the same schema. A file the candidate lacks fails, unless ``allow_missing``.
+    ``dtype`` limits the check to cases and end-to-end goldens of that dtype;
+    ``default_params_only`` to cases with the policies' default parameters (end-to-end
+    goldens always use them).
     """
     import time
 
@@ -588,9 +606,13 @@ def check_suite(candidate_dir, reference_dir, *, policies: Sequence[str] | None 
     if unknown:
         raise ValueError(f"the reference suite has no policy {', '.join(map(repr, unknown))}; it has: "
                          f"{', '.join(suite['policies'])}")
+    if dtype not in (None, "float32", "float64"):
+        raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
     report = SuiteReport(str(candidate_dir), str(reference_dir))
     for entry in suite["files"]:
         if entry["kind"] not in kinds or (policies and entry["policy"] not in policies):
+            continue
+        if dtype is not None and entry["kind"] == "e2e" and entry.get("dtype", dtype) != dtype:
             continue
         rel = entry["path"]
         cand = candidate_dir / rel
@@ -598,10 +620,15 @@ def check_suite(candidate_dir, reference_dir, *, policies: Sequence[str] | None 
             if not allow_missing:
                 report.files.append(FileReport(rel, entry["kind"], "missing", "the candidate has no such file"))
             continue
-        check = check_vector_file if entry["kind"] == "vectors" else check_end_to_end_file
+        options = {"tolerance_factor": tolerance_factor, "strict_ties": strict_ties, "check_dtype": check_dtype,
+                   "rel": rel}
         try:
-            report.files.append(check(cand, reference_dir / rel, tolerance_factor=tolerance_factor,
-                                      strict_ties=strict_ties, check_dtype=check_dtype, rel=rel))
+            if entry["kind"] == "vectors":
+                result = check_vector_file(cand, reference_dir / rel, dtype=dtype,
+                                           default_params_only=default_params_only, **options)
+            else:
+                result = check_end_to_end_file(cand, reference_dir / rel, **options)
+            report.files.append(result)
         except ValueError as err:  # a malformed candidate file is a failure of that file
             report.files.append(FileReport(rel, entry["kind"], "fail", failures=[f"unreadable: {err}"]))
     report.seconds = time.perf_counter() - start

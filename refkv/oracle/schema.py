@@ -67,8 +67,8 @@ FLAGS = {
     "no-eviction": "the candidates fit in the budget: every token is kept",
     "exact-tie": "a kept and an evicted unprotected token have exactly equal scores, so the tie rule "
                  "(equal scores keep the more recent token) decides",
-    "near-tie": "a kept and an evicted unprotected token have scores closer than 1000 tolerances "
-                "(but not equal): a careless implementation may flip the choice",
+    "near-tie": "a kept and an evicted unprotected token have scores within 100 tolerances of each "
+                "other (but not equal): a careless implementation may flip the choice",
     "zero-norm-key": "some cached key is exactly the zero vector",
     "duplicate-keys": "two cached tokens of one KV head have identical keys",
     "huge-logits": "some query-key logit q.k/sqrt(d) exceeds 30 in magnitude, so the softmax saturates",

@@ -350,8 +350,8 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
             rel = f"e2e/{name}/{label}.json"
             manifest = write_end_to_end(out / rel, manifest, arrays)
             data = (out / rel).read_bytes()
-            files.append({"path": rel, "kind": "e2e", "policy": name, "sha256": sha256(data),
-                          "npz_sha256": manifest["arrays"]["sha256"]})
+            files.append({"path": rel, "kind": "e2e", "policy": name, "dtype": manifest["dtype"],
+                          "sha256": sha256(data), "npz_sha256": manifest["arrays"]["sha256"]})
         if progress is not None:
             n_cases = doc["number_of_cases"] if doc else 0
             progress(f"{name}: {n_cases} vector cases, {len(runs)} end-to-end goldens, {len(skips)} skipped")

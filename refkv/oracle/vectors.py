@@ -37,6 +37,7 @@ __all__ = [
     "VectorCase",
     "VectorFile",
     "boundary_gap",
+    "candidate_document",
     "case_flags",
     "encode_case",
     "read_vectors",
@@ -106,7 +107,7 @@ def case_flags(view: View, scores: np.ndarray, protected: np.ndarray, kept: np.n
         threshold = tolerance["atol"] + tolerance["rtol"] * (float(scale.max()) if scale.size else 0.0)
         if gap == 0.0 and "exact-tie" not in flags:
             flags.append("exact-tie")
-        elif 0.0 < gap <= 1000 * threshold and "near-tie" not in flags:
+        elif 0.0 < gap <= 100 * threshold and "near-tie" not in flags:
             flags.append("near-tie")
     keys = np.concatenate([view.keys, view.block_keys], axis=1) if stage == "before-attention" else view.keys
     if keys.size and np.any(np.all(keys == 0, axis=-1)):
@@ -237,6 +238,28 @@ def json_params(params: dict) -> dict:
 def python_params(params: dict) -> dict:
     """Policy parameters from JSON: top-level lists become tuples (frozen dataclass fields)."""
     return {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+
+
+def candidate_document(policy_name: str, outputs: dict) -> dict:
+    """A candidate's vectors file: the header and, per case id, its outputs.
+
+    Parameters
+    ----------
+    policy_name : str
+    outputs : dict of int to dict
+        ``{case_id: {"kept": (Hkv, m) ints, "scores": (Hkv, n), "protected": (Hkv, n) bool}}``;
+        ``scores`` and ``protected`` are optional (compared when present).
+    """
+    cases = []
+    for case_id, out in sorted(outputs.items()):
+        if "kept" not in out:
+            raise ValueError(f"outputs of case {case_id} must hold 'kept'")
+        unknown = set(out) - {"kept", "scores", "protected"}
+        if unknown:
+            raise ValueError(f"outputs of case {case_id} hold unknown entries {sorted(unknown)}")
+        cases.append({"id": int(case_id), "outputs": {k: encode_array(v) for k, v in out.items()}})
+    return {**header(VECTORS_SCHEMA), "float_format": FLOAT_FORMAT, "policy": policy_name,
+            "groups": [{"cases": cases}]}
 
 
 def vectors_document(policy_name: str, groups: list[tuple[dict, list[dict]]]) -> dict:
