@@ -7,6 +7,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from refkv import policies
 from refkv.testing import assert_case, assert_same_retention, assert_scores_close, load_cases
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -62,6 +63,8 @@ def test_load_cases_filters_and_assert_case_uses_each_case_tolerance():
     defaults = load_cases(GOLDEN, policy="keydiff", params={"anchor": "unit_mean", "metric": "cosine",
                                                             "reserve": 0.0, "eps": 1e-8})
     assert defaults and len(defaults) < len(load_cases(GOLDEN, policy="keydiff"))
+    knorm = load_cases(GOLDEN, policy="knorm", params=policies.get("knorm").params())
+    assert knorm and all(c.params["skip_layers"] == [] for c in knorm)  # a tuple matches its JSON list
     case = cases[0]
     out = case.outputs
     slack = case.tolerance["atol"] / 2

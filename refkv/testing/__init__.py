@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ..oracle.compare import compare_arrays, compare_retention
-from ..oracle.vectors import VectorCase, read_vectors
+from ..oracle.vectors import VectorCase, json_params, read_vectors
 
 __all__ = ["assert_case", "assert_same_retention", "assert_scores_close", "load_cases"]
 
@@ -212,13 +212,16 @@ def load_cases(path, *, policy: str | None = None, dtype: str | None = None, fla
     flags : iterable of str
         Only cases carrying all of these flags.
     params : dict, optional
-        Only cases whose group parameters equal these (``{}``: the defaults).
+        Only cases whose group parameters equal these, e.g. the defaults
+        ``refkv.policies.get(name).params()`` (compared in JSON form: tuples as lists).
 
     Returns
     -------
     list of :class:`refkv.oracle.VectorCase`; ``str(case)`` is a short id for pytest.
     """
     path = Path(path)
+    if params is not None:
+        params = json_params(params)
     if path.is_dir():
         folder = path / "vectors" if (path / "vectors").is_dir() else path
         files = sorted(folder.glob("*.json")) if policy is None else [folder / f"{policy}.json"]
