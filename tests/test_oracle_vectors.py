@@ -50,6 +50,67 @@ def test_the_suite_covers_the_adversarial_flags():
             "huge-logits", "no-eviction", "stateful", "before-attention", "engine", "float32"} <= flags
 
 
+# -- the one-layer replay is the engine's layer ------------------------------------------------
+def _layer0_tokens(model, prompt, block):
+    """Layer 0's q, k, v of every prompt token, computed block by block as the engine does."""
+    qs, ks, vs = [], [], []
+    for start in range(0, len(prompt), block):
+        pos = np.arange(start, min(start + block, len(prompt)))
+        q, k, v = model.qkv(0, model.embed(prompt[pos]), model.rope(pos))
+        qs.append(q), ks.append(k), vs.append(v)
+    return Tokens(np.concatenate(qs, axis=1), np.concatenate(ks, axis=1), np.concatenate(vs, axis=1))
+
+
+class _LastView:
+    """Stands in for the engine's policy and keeps layer 0's last eviction view."""
+
+    def __init__(self, policy):
+        self.policy, self.view = policy, None
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def keep_indices(self, view, budget):
+        if view.layer == 0:
+            self.view = view
+        return self.policy.keep_indices(view, budget)
+
+
+@pytest.mark.parametrize("name", policies.available())
+def test_replay_gives_the_engines_eviction_view(name, tiny64):
+    # Layer 0's inputs do not depend on eviction, so replaying them through one layer must
+    # reproduce the engine's own layer-0 decisions exactly, state and all.
+    from refkv import Engine
+
+    policy = policies.get(name)
+    prompt = np.random.default_rng(3).integers(0, tiny64.config.vocab_size, 48)
+    for budget in (8, 16, 40):
+        try:
+            engine = Engine(tiny64, policy, budget)
+        except ValueError:
+            continue
+        spy = _LastView(policy)
+        engine.policy = spy
+        try:
+            engine.prefill(prompt, 4)
+        except ValueError:
+            continue
+        break
+    else:
+        pytest.skip(f"{name} runs with none of the budgets tried")
+    if spy.view is None:
+        pytest.skip(f"{name} never evicted from layer 0")
+    end = int(spy.view.query_positions[-1]) + 1  # the prompt up to the block of the last eviction
+    tokens = _layer0_tokens(tiny64, prompt[:end], 4)
+    view = replay(policy, tokens, block_size=4, budget=budget, layer=0, n_layers=tiny64.config.n_layers)
+    assert np.array_equal(view.positions, spy.view.positions)
+    assert view.budget == spy.view.budget
+    assert np.array_equal(policy.score(view), policy.score(spy.view), equal_nan=True)
+    assert np.array_equal(policy.keep_indices(view, view.budget), policy.keep_indices(spy.view, spy.view.budget))
+    for field, array in spy.view.fields.items():
+        assert np.array_equal(view.fields[field], array, equal_nan=True), field
+
+
 # -- hand-built cases ---------------------------------------------------------------------------
 def _view(keys, budget, *, queries=None, block=1):
     keys = np.asarray(keys, dtype=np.float64)

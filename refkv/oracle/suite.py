@@ -83,10 +83,7 @@ class Recipe:
     edit: str | None = None
     no_eviction: bool = False
     variants: bool = False  # also used for the variant parameter sets
-
-    @property
-    def n_layers(self) -> int:
-        return 4
+    n_layers: int = 4
 
 
 #: Synthetic recipes in priority order (see :data:`MAX_VECTOR_BYTES`); ``"engine"`` marks where
