@@ -10,7 +10,7 @@ import pytest
 from refkv import Engine, policies
 from refkv.model import builtin_model
 from refkv.oracle import read_end_to_end, run_end_to_end
-from refkv.oracle.endtoend import export_weights, prompt_tokens
+from refkv.oracle.endtoend import export_weights, policy_from_manifest, prompt_tokens
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 E2E_FILES = sorted((GOLDEN / "e2e").glob("*/*.json"))
@@ -64,6 +64,7 @@ def test_run_end_to_end_records_the_engine_trace_and_logits():
             assert np.array_equal(arrays["kept"][b, l, :, :k], positions)
     assert manifest["budget"] == 8 and manifest["block_size"] == 4 and manifest["dtype"] == "float64"
     assert manifest["policy"]["params"]["anchor"] == "unit_mean"
+    assert policy_from_manifest(manifest) == policy
 
 
 def test_the_unbounded_golden_matches_a_full_forward_pass():

@@ -341,7 +341,6 @@ class EndToEndResult:
     decisions: int = 0
     unchecked: int = 0
     logits: str = ""
-    notes: list = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -39,8 +39,8 @@ from .io import read_json, read_npz, sha256, write_json, write_npz
 from .schema import E2E_SCHEMA, FLOAT_FORMAT, check_header, header, require
 from .vectors import boundary_gap, json_params
 
-__all__ = ["DEFAULT_E2E_TOLERANCE", "EndToEnd", "prompt_tokens", "read_end_to_end", "run_end_to_end",
-           "write_end_to_end"]
+__all__ = ["DEFAULT_E2E_TOLERANCE", "EndToEnd", "export_weights", "policy_from_manifest", "prompt_tokens",
+           "read_end_to_end", "run_end_to_end", "write_end_to_end"]
 
 #: rtol per dtype for logits and for score ties; ``atol = rtol * max(1, largest finite |value|)``.
 DEFAULT_E2E_TOLERANCE = {"float64": 1e-8, "float32": 1e-4}
