@@ -5,11 +5,12 @@ what those closed forms claim to equal or to optimise, by an independent route, 
 tests in ``tests/test_theory_*.py`` can compare the two. Nothing here is used by the engine.
 
 CAOTE (Goel et al., "CAOTE: KV Caching through Attention Output-Based Token Eviction")
-    :func:`attention_after_eviction` (Thm 3.1: softmax recomputed without token ``j``),
+    :func:`attention_output` (Eqs. 10-11), :func:`attention_after_eviction` (Thm 3.1:
+    softmax recomputed without token ``j``),
     :func:`eviction_errors` (Eq. 9: ``||X_attn - X'_attn,j||`` by recomputing attention),
     :func:`attention_only_logits` (App. B.2 case 1: a one-layer decoder without norms).
 KeyDiff (Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction ...")
-    :func:`cosine_matrix`, :func:`pairwise_cosine_sums` (Eq. 7), :func:`pairwise_objective`
+    :func:`unit_rows`, :func:`cosine_matrix`, :func:`pairwise_cosine_sums` (Eq. 7), :func:`pairwise_objective`
     (Eq. 9), :func:`relaxed_objective` (Eq. 10), :func:`brute_force_minimum`,
     :func:`keydiff_choice`, :func:`eq9_optimality_rate`, :func:`attention_weight_of`,
     :func:`c1_bound` and :func:`c1_bound_corrected` (Thm C.1 / Lemma 3.1),

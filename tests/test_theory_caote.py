@@ -337,3 +337,16 @@ def test_fastcaote_can_choose_a_different_token_than_caote():
     np.testing.assert_allclose(fast, [1.5 * 5 / 3, 3 / 7 * 2 / 3, 1 / 9 * 7 / 3], rtol=1e-12)
     np.testing.assert_allclose(full, eviction_errors(np.log(a), values), rtol=1e-12)
     assert np.argmin(full) == 1 and np.argmin(fast) == 2
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: attention_after_eviction([1.0], 0), "logits must be a 1-D array with at least 2"),
+    (lambda: attention_after_eviction([1.0, 2.0], 2), r"j must be an integer in \[0, 1\]"),
+    (lambda: eviction_errors([1.0, np.nan], np.ones((2, 1))), "logits must be finite"),
+    (lambda: eviction_errors([1.0, 2.0], np.ones((3, 1))), "values must have 2 rows"),
+])
+def test_caote_theory_functions_reject_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

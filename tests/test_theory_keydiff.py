@@ -394,3 +394,24 @@ def test_thmC3_tight_bound_is_attained_and_the_papers_endpoint():
     assert c3_bound(-1.0, 1.0) == pytest.approx(-1.0)
     assert c3_bound(-1.0, math.sqrt(3) - 1) == pytest.approx(-0.5)
     assert c3_bound(-1.0, 0.01) == pytest.approx(1 - 1.01 ** 2 / 2)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: pairwise_objective(np.ones((3, 2)), [0, 0]), "subset must not repeat"),
+    (lambda: pairwise_objective(np.ones((3, 2)), [5]), r"subset indices must be in \[0, 2\]"),
+    (lambda: pairwise_cosine_sums(np.zeros((2, 2))), "keys must be non-zero"),
+    (lambda: brute_force_minimum(pairwise_objective, np.ones((3, 2)), 0), r"budget must be an integer in \[1, 3\]"),
+    (lambda: brute_force_minimum(pairwise_objective, np.ones((30, 2)), 15), "exceed max_subsets"),
+    (lambda: eq9_optimality_rate(4, 4, 2, 1), "budget must be in"),
+    (lambda: c1_bound(1.0, 1, 1.0), r"w must be in \(0, 1\)"),
+    (lambda: c1_bound_corrected(0.5, 0, 1.0), "n must be an integer >= 1"),
+    (lambda: c1_bound(0.5, 1, -1.0), "m must be a finite number > 0"),
+    (lambda: c3_bound(1.5, 0.0), r"alpha_q must be a cosine in \[-1, 1\]"),
+    (lambda: cosine_square_sum(np.eye(2), [0.0, 0.0]), "must be non-zero"),
+    (lambda: attention_weight_of([1.0, 0.0], [1.0], np.ones((2, 2))), "must share the width d"),
+])
+def test_keydiff_theory_functions_reject_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

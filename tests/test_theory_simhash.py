@@ -149,3 +149,15 @@ def test_packed_hamming_equals_unpacked_count(codes, data):
     np.testing.assert_array_equal(hamming_unpacked(codes, other), by_hand)
     # All pairs at once: (k, 1, bytes) against (1, k, bytes).
     np.testing.assert_array_equal(hamming(pa[:, None], pb[None]), hamming_unpacked(codes[:, None], other[None]))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: hoeffding_radius(0, 0.1), "n must be an integer >= 1"),
+    (lambda: hoeffding_radius(10, 1.0), r"delta must be in \(0, 1\)"),
+    (lambda: bernstein_radius(10, 0.1, -1.0, 1.0), "variance must be a finite number >= 0"),
+    (lambda: hamming_fraction_moments(1.5, 4), r"p must be in \[0, 1\]"),
+    (lambda: angle_fraction([0.0, 0.0], [1.0, 0.0]), "must be non-zero"),
+])
+def test_statistics_helpers_reject_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
