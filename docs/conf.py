@@ -91,12 +91,18 @@ html_theme_options = {"description": "KV-cache eviction, exactly, in NumPy", "fi
 # -- re-exported names ------------------------------------------------------------------
 # ``refkv.Engine``, ``refkv.policies.select`` and ``refkv.model.Model`` are the names users
 # type, but each object is documented once, in the module that defines it
-# (``refkv.engine.Engine``, ...). This resolves a reference to a re-exported name to the
-# defining module's entry, so docstrings may use the short public path.
+# (``refkv.engine.Engine``, ...). This resolves a reference to a re-exported or imported
+# name to the defining module's entry, so docstrings may use the short public path, or a
+# bare name imported into their module.
 def _resolve_reexport(app, env, node, contnode):
     if node.get("refdomain") != "py":
         return None
     target = node.get("reftarget", "")
+    module = node.get("py:module") or ""
+    if not target.startswith("refkv.") and module.startswith("refkv."):
+        # A short name in a docstring (``select`` in refkv.policies.mat): the object that
+        # name is bound to in the docstring's module, wherever it is defined.
+        target = f"{module}.{target}"
     if not target.startswith("refkv."):
         return None
     import importlib
