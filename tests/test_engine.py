@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refkv.engine import Engine, blocks, generate, prefill
-from refkv.policies import Policy, View, register, select
+from refkv.policies import Policy, View, select
 from refkv.policies.sink import Sink
 
 
@@ -93,10 +93,9 @@ def test_sink_window_by_hand(tiny64):
 
 # -- eviction invariants --------------------------------------------------------------------
 
-@register
 class _RandomScores(Policy):
-    """Test-only policy: pseudo-random scores from the key values, first token and last 2 protected,
-    so different heads keep different tokens."""
+    """Test-only policy (not registered: the engine takes policy objects): pseudo-random scores from
+    the key values, first token and last 2 protected, so different heads keep different tokens."""
 
     name = "_test_random"
     needs = frozenset({"keys"})
