@@ -10,6 +10,7 @@ import pytest
 from refkv import policies
 from refkv.oracle import read_vectors
 from refkv.oracle.io import dumps
+from refkv.oracle.suite import library_policies
 from refkv.oracle.synthetic import Tokens, random_tokens, replay
 from refkv.oracle.vectors import boundary_gap, encode_case, vectors_document
 from refkv.policies import Policy, View
@@ -76,7 +77,7 @@ class _LastView:
         return self.policy.keep_indices(view, budget)
 
 
-@pytest.mark.parametrize("name", policies.available())
+@pytest.mark.parametrize("name", library_policies())
 def test_replay_gives_the_engines_eviction_view(name, tiny64):
     # Layer 0's inputs do not depend on eviction, so replaying them through one layer must
     # reproduce the engine's own layer-0 decisions exactly, state and all.

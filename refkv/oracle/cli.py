@@ -22,7 +22,7 @@ def add_golden_command(sub) -> None:
                                    "(see docs/oracle).")
     gsub = p.add_subparsers(dest="golden_command", required=True)
 
-    g = gsub.add_parser("generate", help="write a golden suite (every registered policy by default)")
+    g = gsub.add_parser("generate", help="write a golden suite (every policy refkv defines, by default)")
     g.add_argument("--out", required=True, help="directory to write (created if needed)")
     g.add_argument("--policies", nargs="+", metavar="NAME", help="only these policies (names or a,b,c)")
     g.add_argument("--quiet", action="store_true", help="no progress lines")

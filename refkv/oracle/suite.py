@@ -7,8 +7,10 @@ Layout of a suite directory::
     e2e/<policy>/N<N>-B<B>-<dtype>.json end-to-end manifest ...
     e2e/<policy>/N<N>-B<B>-<dtype>.npz  ... and its arrays
 
-Every registered policy is included (:func:`refkv.policies.available`), so a new policy is
-picked up by the next ``refkv golden generate``. Cases a policy refuses -- a budget its
+Every policy refkv registers is included (:func:`library_policies`: the registry's
+policies whose class lives in the ``refkv`` package, so a test module or a plugin that
+registers its own does not change the suite), and a new policy is picked up by the next
+``refkv golden generate``. Cases a policy refuses -- a budget its
 protected set does not fit, a block larger than the budget of a policy that evicts before
 attention -- are skipped through the policy's own ValueError and listed in ``suite.json``
 under ``skipped``; nothing here names a policy except :data:`VARIANTS`, extra parameter
@@ -40,7 +42,8 @@ from .synthetic import (
 )
 from .vectors import DEFAULT_TOLERANCE, encode_case, json_params, vectors_document
 
-__all__ = ["BUDGETS", "E2E_SETTINGS", "RECIPES", "VARIANTS", "Recipe", "Setting", "generate_suite", "read_suite"]
+__all__ = ["BUDGETS", "E2E_SETTINGS", "RECIPES", "VARIANTS", "Recipe", "Setting", "generate_suite",
+           "library_policies", "read_suite"]
 
 #: Budgets tried for vector cases, smallest first: a policy's cases use the smallest its
 #: ``check`` accepts (small budgets make small files).
@@ -134,6 +137,12 @@ E2E_UNBOUNDED = Setting(None, 8, 40)
 
 MODEL_SEED = 0
 PROMPT_SEED = 1
+
+
+def library_policies() -> list[str]:
+    """Registered policies defined by refkv itself (the default contents of a suite)."""
+    return [name for name in policy_registry.available()
+            if policy_registry.policy_class(name).__module__.startswith("refkv.")]
 
 
 # -- vectors ---------------------------------------------------------------------------------
@@ -316,12 +325,12 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
         Created if needed. Files listed by a previous ``suite.json`` there and not
         written now are removed, so the directory always holds exactly one suite.
     policies : list of str, optional
-        Default: every registered policy.
+        Default: :func:`library_policies`, every policy refkv itself registers.
     progress : callable, optional
         Called with a line of text per policy.
     """
     out = Path(out)
-    names = policy_registry.available() if policies is None else list(policies)
+    names = library_policies() if policies is None else list(policies)
     for name in names:
         policy_registry.policy_class(name)  # ValueError for an unknown name
     old = set()
