@@ -5,9 +5,10 @@ Build (warnings are errors; this is what ``tests/test_docs.py`` runs)::
     python -m sphinx -W --keep-going -b html docs docs/_build/html
 
 A full build executes every tutorial in ``tutorials/`` through sphinx-gallery (about a
-minute on a laptop). ``-D plot_gallery=0`` renders the tutorials' text and code without
-running them; the docs test uses it because ``tests/test_tutorials.py`` already runs each
-tutorial in its own process.
+minute of CPU; it needs the ``plot``, ``test`` and ``models`` extras and the model wheel,
+like the tutorials themselves). ``-D plot_gallery=0`` renders the tutorials' text and code
+without running them; the docs test uses it because ``tests/test_tutorials.py`` already
+runs each tutorial in its own process.
 
 The build needs no network. Intersphinx reads the small numpy and scipy inventories in
 ``docs/_inventories/`` (written by ``docs/_inventories/make_inventories.py``), and MathJax
