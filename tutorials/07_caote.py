@@ -23,6 +23,7 @@ choice, and runs CAOTE as a meta-policy over TOVA and H2O.
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.colors import LogNorm
 
 import refkv
 from refkv.policies.caote import caote_scores, fast_caote_scores, normalise
@@ -71,14 +72,17 @@ by_attention, by_caote = int(np.argmin(alpha)), int(np.argmin(closed))
 print(f"smallest weight: token {by_attention} (error {brute[by_attention]:.3f}); "
       f"smallest c: token {by_caote} (error {brute[by_caote]:.3f})")
 
-fig, ax = plt.subplots(figsize=(5.4, 4.6))
-points = ax.scatter(values[:, 0], values[:, 1], s=3000 * alpha, c=closed, cmap="plasma", edgecolor="k")
+fig, ax = plt.subplots(figsize=(5.6, 4.8))
+order = np.argsort(-alpha)                                  # big circles first, small ones on top
+points = ax.scatter(values[order, 0], values[order, 1], s=3000 * alpha[order], c=closed[order], cmap="plasma",
+                    edgecolor="k", norm=LogNorm(), alpha=0.85)
 for j, (vx, vy) in enumerate(values):
-    ax.annotate(str(j), (vx, vy), textcoords="offset points", xytext=(7, 7))
+    ax.annotate(str(j), (vx, vy), textcoords="offset points", xytext=(-4, -4), zorder=3, fontsize=9,
+                bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.8))
 ax.plot(*X, "k*", ms=14, label=r"output $X = V\alpha$")
-fig.colorbar(points, ax=ax, label="$c_j$: output change if evicted")
+fig.colorbar(points, ax=ax, label="$c_j$: output change if evicted (log scale)")
 ax.set(xlabel="value, dim 1", ylabel="value, dim 2", title="values (area = attention weight)")
-ax.legend(loc="best")
+ax.legend(loc="lower left")
 fig.tight_layout()
 
 # %%
