@@ -48,11 +48,19 @@ def causal_logits(q: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.nda
     -------
     (Hkv, g, B, n) array
     """
-    n_kv, _, d = k.shape
+    n_kv, n, d = k.shape
     qg = _group(q, n_kv)
-    logits = (qg @ k[:, None].swapaxes(-1, -2)) * (1.0 / float(np.sqrt(d)))
-    future = k_pos[:, None, None, :] > q_pos[None, None, :, None]  # (Hkv, 1, B, n)
-    return np.where(future, -np.inf, logits)
+    b = qg.shape[2]
+    logits = qg @ k[:, None].swapaxes(-1, -2)
+    logits *= 1.0 / float(np.sqrt(d))  # in place: the (Hkv, g, B, n) array is the big one
+    # Only keys later than the earliest query can be in some query's future, so the mask
+    # starts at the first such column (in the engine: the block's own keys).
+    late = (k_pos > q_pos.min()).any(axis=0) if b else np.zeros(n, dtype=bool)
+    if late.any():
+        lo = int(np.argmax(late))
+        future = k_pos[:, None, None, lo:] > q_pos[None, None, :, None]  # (Hkv, 1, B, n - lo)
+        np.copyto(logits[..., lo:], -np.inf, where=future)
+    return logits
 
 
 def attention_weights(q, k, q_pos, k_pos) -> np.ndarray:
@@ -86,10 +94,12 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos
     heads, b, _ = q.shape
     if return_weights:
         logits = causal_logits(q, k, q_pos, k_pos)
-        p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        logits -= logits.max(axis=-1, keepdims=True)
+        p = np.exp(logits, out=logits)
         total = p.sum(axis=-1, keepdims=True)
         out = (p @ v[:, None]) / total
-        return out.reshape(heads, b, d), p / total
+        p /= total
+        return out.reshape(heads, b, d), p
 
     # Online softmax (FlashAttention): keep a running max m, normaliser l and
     # unnormalised output acc; rescale them by exp(m_old - m_new) as each tile arrives.
@@ -105,7 +115,8 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos
         # A row whose keys so far are all in its future has m_new = -inf; keep it at 0.
         safe = np.where(np.isfinite(m_new), m_new, 0.0)
         correction = np.exp(m - safe)
-        p = np.exp(s - safe)
+        s -= safe
+        p = np.exp(s, out=s)
         l = l * correction + p.sum(axis=-1, keepdims=True)
         acc = acc * correction + p @ v[:, None, start:stop]
         m = m_new
