@@ -16,7 +16,7 @@ inside each layer (KeyDiff Fig. 1):
 So a block's outputs saw at most ``N + B`` cache entries, and the next block sees the
 evicted cache. ``B = 1`` is token generation; ``B = None`` processes the whole prompt
 at once and then evicts (one-shot prefill, kvpress's setting). Positions come from
-the caches (:attr:`refkv.cache.LayerCache.next_position`), never from loop counters.
+the caches (each :class:`refkv.cache.LayerCache` counts ``next_position``), never from loop counters.
 """
 
 from __future__ import annotations

@@ -128,5 +128,5 @@ def test_weight_shape_and_dtype_errors():
 
 
 def test_load_unknown_model():
-    with pytest.raises(ValueError, match="no-such-model.*not found"):
+    with pytest.raises(ValueError, match=r"no-such-model.*not found"):
         load("no-such-model")

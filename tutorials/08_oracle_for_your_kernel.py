@@ -60,7 +60,7 @@ def my_keydiff(keys, budget, *, unit_anchor=True):
 # Golden test vectors
 # -------------------
 #
-# ``refkv golden generate DIR`` writes a suite; from Python it is
+# ``refkv golden generate --out DIR`` writes a suite; from Python it is
 # :func:`refkv.oracle.generate_suite`. Your CI would generate it once, commit it (or pin
 # the refkv version that writes it), and test against the files -- refkv itself need not
 # be installed where the test runs. We write it into a temporary directory.
@@ -73,7 +73,7 @@ for entry in index["files"]:
     print(f"{entry['kind']:<8} {entry['path']}")
 
 # %%
-# The files are plain JSON (arrays as nested lists with their dtype and shape) and
+# The files are plain JSON (arrays as a flat ``data`` list with their dtype and shape) and
 # ``.npz`` without pickled objects; the format is specified on the Oracle pages. A look
 # at the vectors file without refkv's reader:
 
@@ -177,7 +177,7 @@ print("60 drawn caches: scores and kept tokens agree with refkv")
 # and the end-to-end runs are checked from the command line after your engine has written
 # its own kept positions in the same format::
 #
-#     refkv golden generate tests/golden --policies keydiff
+#     refkv golden generate --out tests/golden --policies keydiff
 #     refkv golden check my_outputs/ --against tests/golden
 #
 # The oracle pages of this documentation give the schema of both file kinds, the tolerance

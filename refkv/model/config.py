@@ -90,10 +90,10 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
-# The built-in model: small enough that a 1,000-token prompt runs in well under a
-# second per block, large enough to have GQA (2 query heads per KV head), several
-# layers (so shallow/deep layer rules are exercised) and a d_head where cosine
-# geometry is not degenerate.
+#: The built-in model: small enough that a 1,000-token prompt runs in well under a
+#: second per block, large enough to have GQA (2 query heads per KV head), several
+#: layers (so shallow/deep layer rules are exercised) and a d_head where cosine
+#: geometry is not degenerate.
 TINY = ModelConfig(
     vocab_size=512,
     d_model=64,
