@@ -79,6 +79,7 @@ from .common import (
     prose_tokens,
     write_csv,
 )
+from .plots import _none_last
 from .runner import Experiment, Settings, register_experiment
 
 __all__ = ["EXPERIMENT", "alr", "attention_received", "drop_order", "lsh_mean_distance", "one_shot_view",
@@ -279,7 +280,10 @@ def _run_output_error(params: dict) -> dict:
     layers, _ = cached_capture(params["model"], params["dtype"], t + extra, params["segment"])
     tokens = prose_tokens(params["model"], params["dtype"], t + extra, params["segment"])[:t]
     engine = Engine(model, make_policy(params["policy"]), budget)
-    engine.prefill(tokens, block)
+    try:
+        engine.prefill(tokens, block)
+    except ValueError as err:  # a block / budget combination the policy refuses mid-run
+        return {"skipped": str(err)}
     errors, lost = [], []
     for cap, cache in zip(layers, engine.caches):
         e, m = output_error(cap, cache.positions, t)
@@ -341,7 +345,7 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
                      "mean_error": float(e.mean()), "error_prompt_std": mean_std(e.mean(axis=1))[1],
                      "mean_lost_attention": float(m.mean()), "prompts": len(group),
                      "wall_time_s": sum(r["wall_time_s"] for r in group)})
-    rows.sort(key=lambda r: (r["budget"], -1 if r["block"] is None else r["block"], r["mean_error"]))
+    rows.sort(key=lambda r: (_none_last(r["budget"]), _none_last(r["block"]), r["mean_error"]))
     written.append(write_csv(folder / "output_error.csv", rows))
     if curves:
         layer_rows = [{"layer": i, **{f"{format_spec_label(p)} N={n} B={b}": float(c[i])

@@ -53,6 +53,9 @@ __all__ = [
 # them. Specs of policies not registered in this refkv are left out.
 EVICTING_POLICIES = ("sink", "tova", "h2o", "snapkv", "scissorhands", "knorm", "keydiff", "hashevict", "mat",
                      "caote:base=h2o", "caote:base=tova", "caote:base=snapkv")
+_LABELS = {"sink": "sink (StreamingLLM)", "tova": "TOVA", "h2o": "H2O", "snapkv": "SnapKV",
+           "scissorhands": "Scissorhands", "knorm": "L2 norm (knorm)", "keydiff": "KeyDiff",
+           "hashevict": "HashEvict", "mat": "MAT", "full": "no eviction"}
 FAST_CAOTE = ("caote:base=h2o,fast=True", "caote:base=tova,fast=True", "caote:base=snapkv,fast=True")
 
 # Characters of prose every supported CPython's pydoc topics hold (3.11 has ~154,000).
@@ -147,13 +150,17 @@ def format_spec_label(spec: str) -> str:
         base = str(params.get("base", "h2o"))
         upper = {"h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV"}.get(base, base)
         return f"{upper}+{'Fast' if params.get('fast') else ''}CAOTE"
-    return spec
+    return _LABELS.get(spec, spec)
 
 
-def default_policies(extra: tuple[str, ...] = ()) -> list[str]:
-    """The default evicting policies that this refkv registers (canonical specs)."""
+def default_policies(extra: tuple[str, ...] = (), *, caote: bool = True) -> list[str]:
+    """The default evicting policies that this refkv registers (canonical specs).
+
+    ``caote=False`` leaves out the CAOTE variants of the default list (``extra`` is kept).
+    """
     out = []
-    for spec in (*EVICTING_POLICIES, *extra):
+    base = EVICTING_POLICIES if caote else tuple(p for p in EVICTING_POLICIES if not p.startswith("caote"))
+    for spec in dict.fromkeys((*base, *extra)):
         try:
             out.append(canonical_spec(spec))
         except ValueError:

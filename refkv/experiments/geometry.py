@@ -233,7 +233,10 @@ def _run_retention(params: dict) -> dict:
 
     tokens = prose_tokens(params["model"], params["dtype"], params["length"], params["segment"])
     engine = Engine(model, make_policy(params["policy"]), budget)
-    engine.prefill(tokens, block)
+    try:
+        engine.prefill(tokens, block)
+    except ValueError as err:  # a block / budget combination the policy refuses mid-run
+        return {"skipped": str(err)}
     volume, spread = [], []
     for cache in engine.caches:
         volume.append([log_volume(cache.keys[h]) for h in range(cache.n_kv_heads)])

@@ -53,7 +53,8 @@ __all__ = ["EXPERIMENT", "build_prompt", "cells", "run_cell", "summarise"]
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.")
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-NEEDLE = "The pass key is {key}. Remember it."
+NEEDLES = {"short": "The pass key is {key}. Remember it.",
+           "classic": "The pass key is {key}. Remember it. {key} is the pass key."}
 QUESTION = "What is the pass key?"
 ANSWER_PREFIX = "The pass key is"
 
@@ -92,7 +93,7 @@ def _render(tokenizer, units: list[str], template: str) -> list[int]:
 
 
 def build_prompt(tokenizer, length: int, depth: float, key: int, *, template: str = "chat",
-                 filler: str = "repeat", seed: int = 0) -> tuple[list[int], int]:
+                 filler: str = "repeat", needle: str = "classic", seed: int = 0) -> tuple[list[int], int]:
     """The prompt tokens (about ``length`` of them) and the token index of the key's last digits.
 
     Parameters
@@ -107,6 +108,9 @@ def build_prompt(tokenizer, length: int, depth: float, key: int, *, template: st
         The pass key (five digits).
     template : "chat" or "raw"
     filler : "repeat" or "varied"
+    needle : "classic" or "short"
+        ``"classic"`` states the key twice ("The pass key is K. Remember it. K is the pass
+        key.", Mohtashami & Jaggi); ``"short"`` once ("The pass key is K. Remember it.").
     seed : int
         Seed of the varied filler.
     """
@@ -116,7 +120,9 @@ def build_prompt(tokenizer, length: int, depth: float, key: int, *, template: st
         raise ValueError(f"depth must be in [0, 1], got {depth!r}")
     if not 10000 <= key <= 99999:
         raise ValueError(f"key must have five digits, got {key!r}")
-    needle = NEEDLE.format(key=key)
+    if needle not in NEEDLES:
+        raise ValueError(f"needle must be one of {sorted(NEEDLES)}, got {needle!r}")
+    needle = NEEDLES[needle].format(key=key)
     rng = np.random.default_rng(seed)
     overhead = len(_render(tokenizer, [needle], template))
     per_unit = max(1, len(tokenizer.encode(" " + FILLER)))
@@ -152,14 +158,13 @@ def cells(settings: Settings) -> list[dict]:
         budgets, blocks = ([128] if real else [64]), ([128] if real else [32])
     else:
         lengths, depths, samples = ([1024, 2048] if real else [512, 1024]), DEPTHS, 1
-        policies = default_policies()
+        policies = default_policies(("caote:base=h2o",), caote=False)
         budgets, blocks = [256], [128, None]
     policies = [canonical_spec(p) for p in (settings.policies or policies)]
     budgets = list(settings.budgets or budgets)
     blocks = list(settings.blocks or blocks)
-    # The built-in random model has no chat template; its prompts are raw text.
-    common = {"model": model, "dtype": settings.dtype, "seed": settings.seed, "template": "chat" if real else "raw",
-              "filler": "repeat", "max_new_tokens": 8}
+    common = {"model": model, "dtype": settings.dtype, "seed": settings.seed, "template": "raw",
+              "filler": "repeat", "needle": "short", "max_new_tokens": 8}
     out = []
     for length in lengths:
         for depth in depths:
@@ -188,7 +193,8 @@ def run_cell(params: dict) -> dict:
     model, tokenizer = load_model(params["model"], params["dtype"])
     key = _key(params["seed"], params["length"], params["depth"], params["sample"])
     tokens, needle_at = build_prompt(tokenizer, params["length"], params["depth"], key,
-                                     template=params["template"], filler=params["filler"], seed=params["seed"])
+                                     template=params["template"], filler=params["filler"],
+                                     needle=params.get("needle", "classic"), seed=params["seed"])
     base = {"key": key, "prompt_tokens": len(tokens), "needle_position": needle_at}
     budget, block = params["budget"], params["block"]
     if params["policy"] != "full":
@@ -196,7 +202,10 @@ def run_cell(params: dict) -> dict:
         if reason is not None:
             return {**base, "skipped": reason}
     engine = Engine(model, make_policy(params["policy"]), budget)
-    logits = engine.prefill(tokens, block)
+    try:
+        logits = engine.prefill(tokens, block)
+    except ValueError as err:  # a block / budget combination the policy refuses mid-run
+        return {**base, "skipped": str(err)}
     kept = _needle_retention(engine, needle_at, 4)
     answer = engine.generate(logits, params["max_new_tokens"], eos=getattr(tokenizer, "stop_ids", ()))
     text = tokenizer.decode(answer)

@@ -45,6 +45,7 @@ from .common import (
     prose_tokens,
     write_csv,
 )
+from .plots import _none_last
 from .runner import Experiment, Settings, register_experiment
 
 __all__ = ["EXPERIMENT", "cells", "run_cell", "summarise", "token_nll"]
@@ -66,7 +67,7 @@ def cells(settings: Settings) -> list[dict]:
         length, segments = (256 if real else 192), (0,)
         policies, budgets, blocks_ = ["sink", "keydiff"], ([64] if real else [48]), [16]
     else:
-        length, segments = (1024 if real else 512), (0, 1, 2)
+        length, segments = (1024 if real else 512), (0, 1)
         policies, budgets, blocks_ = default_policies(FAST_CAOTE), [128, 256], [32]
     policies = [canonical_spec(p) for p in (settings.policies or policies)]
     budgets = list(settings.budgets or budgets)
@@ -102,7 +103,10 @@ def run_cell(params: dict) -> dict:
     nll = np.empty(len(tokens) - 1)
     start = 0
     for chunk in blocks(tokens, block):
-        logits = engine.forward(chunk, all_logits=True)
+        try:
+            logits = engine.forward(chunk, all_logits=True)
+        except ValueError as err:  # a block / budget combination the policy refuses mid-run
+            return {"skipped": str(err)}
         stop = start + len(chunk)
         # logits[i] predicts token start + i + 1; the last token predicts nothing.
         targets = tokens[start + 1:stop + 1]
@@ -154,7 +158,7 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
                      "ppl": mean_std(ppls)[0], "delta_ppl": d_mean, "delta_ppl_std": d_std,
                      "ppl_evicted": mean_std(ppls_ev)[0], "delta_ppl_evicted": mean_std(deltas_ev)[0],
                      "segments": n, "wall_time_s": sum(r["wall_time_s"] for r in group)})
-    rows.sort(key=lambda r: (r["budget"] or 0, r["block"] or 0, r["policy"] != "full",
+    rows.sort(key=lambda r: (_none_last(r["budget"]), _none_last(r["block"]), r["policy"] != "full",
                              r["delta_ppl"] if r["delta_ppl"] is not None else 0.0))
     columns = ["policy", "label", "budget", "block", "ppl", "delta_ppl", "delta_ppl_std", "ppl_evicted",
                "delta_ppl_evicted", "segments", "wall_time_s"]

@@ -47,6 +47,11 @@ def _save(fig, folder: Path, stem: str) -> list[Path]:
     return paths
 
 
+def _none_last(value) -> float:
+    """Sort key for budgets and block sizes: ``None`` (no limit) after every number."""
+    return float("inf") if value is None else float(value)
+
+
 def _block(block) -> str:
     return "none" if block is None else str(block)
 
@@ -69,7 +74,7 @@ def passkey_heatmaps(records: list[dict], folder: Path) -> list[Path]:
     ceiling = [r for r in records if r["params"]["policy"] == "full"]
     evicting = [r for r in records if r["params"]["policy"] != "full"]
     settings = sorted({(r["params"]["budget"], r["params"]["block"]) for r in evicting},
-                      key=lambda s: (s[0], -1 if s[1] is None else s[1]))
+                      key=lambda s: (_none_last(s[0]), _none_last(s[1])))
     if not settings:
         settings = [(None, None)]
     written = []
@@ -113,7 +118,7 @@ def perplexity_bars(rows: list[dict], folder: Path) -> list[Path]:
     if not available() or not rows:
         return []
     plt = _pyplot()
-    budgets = sorted({r["budget"] for r in rows})
+    budgets = sorted({r["budget"] for r in rows}, key=_none_last)
     labels = list(dict.fromkeys(r["label"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * len(labels) * len(budgets)), 3.0))
     width = 0.8 / len(budgets)

@@ -377,11 +377,6 @@ def _run_cell(module: str, experiment_name: str, params: dict) -> tuple[dict, fl
     return result, time.perf_counter() - start, time.process_time() - cpu
 
 
-def _init_worker(threads: int) -> None:
-    for name in THREAD_VARIABLES:
-        os.environ[name] = str(threads)
-
-
 @contextlib.contextmanager
 def _thread_environment(threads: int):
     """Set the BLAS thread variables while spawned workers start (they read them at import)."""
@@ -490,22 +485,24 @@ def _run_parallel(tasks: list[_Task], jobs: int, threads: int, progress: Progres
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
+    # Workers start lazily, on submit, and their bootstrap imports NumPy (and with it the
+    # BLAS thread pool) before any initializer runs: the variables must be set while the
+    # pool lives, not only while it is constructed.
     with _thread_environment(threads):
-        executor = ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_init_worker,
-                                       initargs=(threads,))
-    try:
-        pending = {executor.submit(_run_cell, t.module, t.experiment, t.params): t for t in tasks}
-        while pending:
-            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for future in finished:
-                task = pending.pop(future)
-                result, wall, cpu = future.result()
-                append_record(task.path, _record(task, result, wall, cpu))
-                progress.advance(task.cost, task.experiment)
-    except BaseException:
-        executor.shutdown(wait=False, cancel_futures=True)
-        raise
-    executor.shutdown(wait=True)
+        executor = ProcessPoolExecutor(max_workers=jobs, mp_context=context)
+        try:
+            pending = {executor.submit(_run_cell, t.module, t.experiment, t.params): t for t in tasks}
+            while pending:
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    task = pending.pop(future)
+                    result, wall, cpu = future.result()
+                    append_record(task.path, _record(task, result, wall, cpu))
+                    progress.advance(task.cost, task.experiment)
+        except BaseException:
+            executor.shutdown(wait=False, cancel_futures=True)
+            raise
+        executor.shutdown(wait=True)
 
 
 def grid_records(experiment: Experiment, settings: Settings, out) -> list[dict]:

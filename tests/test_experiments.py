@@ -1,0 +1,311 @@
+"""The experiments' quantities, each checked against a hand computation or an independent route."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from scipy.special import log_softmax
+from scipy.special import softmax as sp_softmax
+
+from refkv import Engine
+from refkv.experiments import attention_loss, geometry, passkey, perplexity
+from refkv.experiments.common import (
+    LayerCapture,
+    canonical_spec,
+    dense_capture,
+    format_spec_label,
+    parse_spec,
+    policy_error,
+)
+from refkv.lsh import gaussian_planes, hamming_unpacked, simhash
+from refkv.model.tokenizer import ByteTokenizer
+
+# -- policy specs --------------------------------------------------------------------------
+
+
+def test_policy_specs_parse_and_canonicalise():
+    assert parse_spec("sink") == ("sink", {})
+    assert parse_spec("caote:base=h2o,fast=True") == ("caote", {"base": "h2o", "fast": True})
+    assert canonical_spec("caote: fast=True , base=h2o") == "caote:base=h2o,fast=True"
+    nested = "caote:base=snapkv,base_params={'window': 8, 'kernel': 3}"
+    assert parse_spec(nested)[1]["base_params"] == {"window": 8, "kernel": 3}
+    assert canonical_spec(canonical_spec(nested)) == canonical_spec(nested)
+    assert format_spec_label("caote:base=tova,fast=True") == "TOVA+FastCAOTE"
+    assert format_spec_label("keydiff") == "KeyDiff"
+    assert format_spec_label("keydiff:metric=dot") == "keydiff:metric=dot"
+    with pytest.raises(ValueError, match="unknown policy"):
+        parse_spec("nope")
+    with pytest.raises(ValueError, match="name=value"):
+        parse_spec("sink:4")
+
+
+def test_policy_error_explains_what_cannot_run(tiny64):
+    assert policy_error("sink", 64, 16, tiny64.config) is None
+    assert "budget" in policy_error("sink", 4, 16, tiny64.config)
+    assert "evicts before attention" in policy_error("hashevict", 64, None, tiny64.config)
+    assert "evicts before attention" in policy_error("hashevict", 64, 128, tiny64.config)
+
+
+# -- dense capture and perplexity ----------------------------------------------------------
+
+
+def test_dense_capture_matches_the_full_forward_oracle(tiny64, rng):
+    tokens = rng.integers(0, tiny64.config.vocab_size, 40)
+    layers, logits = dense_capture(tiny64, tokens)
+    np.testing.assert_allclose(logits, tiny64.forward_full(tokens)[-1], rtol=1e-10, atol=1e-10)
+    assert len(layers) == tiny64.config.n_layers
+    cfg = tiny64.config
+    assert layers[0].q.shape == (cfg.n_heads, 40, cfg.d_head)
+    assert layers[0].k.shape == layers[0].v.shape == (cfg.n_kv_heads, 40, cfg.d_head)
+
+
+@given(st.integers(1, 6), st.integers(2, 9), st.integers(0, 2**31 - 1))
+def test_token_nll_is_minus_log_softmax(n, vocab, seed):
+    r = np.random.default_rng(seed)
+    logits = r.normal(0.0, 5.0, (n, vocab)).astype(np.float32)
+    targets = r.integers(0, vocab, n)
+    expected = -log_softmax(logits.astype(np.float64), axis=-1)[np.arange(n), targets]
+    np.testing.assert_allclose(perplexity.token_nll(logits, targets), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_perplexity_cell_without_eviction_is_the_oracle_perplexity(tiny64, monkeypatch):
+    from refkv.experiments import common
+
+    tokens = np.arange(5, 70) % tiny64.config.vocab_size
+    monkeypatch.setattr(common, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
+    monkeypatch.setattr(perplexity, "prose_tokens", lambda *args: tokens)
+    params = {"model": "tiny", "dtype": "float64", "seed": 0, "text": "pydoc_prose", "length": len(tokens),
+              "segment": 0, "block": 16}
+    dense = perplexity.run_cell({**params, "policy": "full", "budget": None})
+    logits = tiny64.forward_full(tokens)
+    nll = -log_softmax(logits[:-1], axis=-1)[np.arange(len(tokens) - 1), tokens[1:]]
+    assert dense["ppl"] == pytest.approx(float(np.exp(nll.mean())), rel=1e-10)
+    np.testing.assert_allclose(dense["nll"], nll, rtol=1e-9)
+    # A budget larger than the text never evicts: the same likelihood under any policy.
+    big = perplexity.run_cell({**params, "policy": "keydiff", "budget": 100})
+    assert big["ppl"] == pytest.approx(dense["ppl"], rel=1e-12) and big["evicted_tokens"] == 0
+    # With eviction only tokens at positions >= N can change.
+    small = perplexity.run_cell({**params, "policy": "sink", "budget": 24})
+    assert small["evicted_tokens"] == len(tokens) - 1 - 24
+    assert small["nll_sum"] - small["nll_evicted_sum"] == pytest.approx(float(nll[:24].sum()), rel=1e-9)
+
+
+# -- attention loss ratio (HashEvict Eq. 7) -------------------------------------------------
+
+
+def test_alr_by_hand():
+    abar = np.array([[0.1, 0.4, 0.2, 0.3]])
+    order = np.array([[1, 0, 2, 3]])  # drops 0.4 first: cumulative 0.4, 0.5, 0.7, 1.0
+    # ideal: 0.1, 0.3, 0.6, 1.0 -> gaps 0.3, 0.2, 0.1, 0 -> Y = 0.6, Y / n = 0.15
+    np.testing.assert_allclose(attention_loss.alr(abar, order), [0.15])
+    np.testing.assert_allclose(attention_loss.alr(abar, np.array([[0, 2, 3, 1]])), [0.0], atol=1e-15)
+
+
+def test_drop_order_lowest_score_first_ties_older_first():
+    scores = np.array([[2.0, 1.0, 1.0, 3.0, 1.0]])
+    positions = np.array([[0, 1, 2, 3, 4]])
+    np.testing.assert_array_equal(attention_loss.drop_order(scores, positions), [[1, 2, 4, 0, 3]])
+
+
+def test_attention_received_is_the_column_mean_and_sums_to_one():
+    w = sp_softmax(np.where(np.tril(np.ones((5, 5))) > 0, np.arange(25.0).reshape(5, 5) / 7, -np.inf), axis=-1)
+    abar = attention_loss.attention_received(w[None])
+    np.testing.assert_allclose(abar[0], w.sum(axis=0) / 5)
+    assert abar.sum() == pytest.approx(1.0)
+
+
+def _capture(tiny64, n=48, seed=0):
+    tokens = np.random.default_rng(seed).integers(0, tiny64.config.vocab_size, n)
+    return dense_capture(tiny64, tokens)[0]
+
+
+def test_h2o_ranks_exactly_like_the_ideal_ranking(tiny64):
+    """H2O's one-shot score is T times the mean attention received (Eq. 8): its ALR is 0."""
+    params = {"lsh_bits": 16, "seed": 0}
+    t = 48
+    positions = np.broadcast_to(np.arange(t), (tiny64.config.n_kv_heads, t))
+    for layer, cap in enumerate(_capture(tiny64, t)):
+        from refkv.attention import attention_weights
+
+        weights = attention_weights(cap.q, cap.k, positions[0], positions)
+        abar = attention_loss.attention_received(weights.mean(axis=1))
+        scores, _kept = attention_loss._ranking("h2o", params, tiny64, layer, cap, weights, t // 2)
+        np.testing.assert_allclose(attention_loss.alr(abar, attention_loss.drop_order(scores, positions)), 0.0,
+                                   atol=1e-12)
+
+
+def test_lsh_mean_distance_matches_a_loop_over_codes(rng):
+    h, hkv, t, d, bits = 4, 2, 7, 8, 16
+    q = rng.normal(size=(h, t, d))
+    k = rng.normal(size=(hkv, t, d))
+    planes = gaussian_planes(bits, d, 5)
+    cq, ck = simhash(q, planes), simhash(k, planes)
+    expected = np.zeros((hkv, t))
+    for kv in range(hkv):
+        for i in range(t):
+            dist = [hamming_unpacked(cq[qh, j], ck[kv, i]) for qh in range(kv * 2, kv * 2 + 2) for j in range(i, t)]
+            expected[kv, i] = np.mean(dist)
+    np.testing.assert_allclose(attention_loss.lsh_mean_distance(q, k, bits, 5), expected)
+
+
+def test_output_error_zero_when_nothing_is_evicted_and_by_hand_otherwise(rng):
+    h, hkv, t, m, d = 2, 1, 6, 2, 4
+    cap = LayerCapture(rng.normal(size=(h, t + m, d)), rng.normal(size=(hkv, t + m, d)),
+                       rng.normal(size=(hkv, t + m, d)))
+    err, lost = attention_loss.output_error(cap, np.arange(t)[None], t)
+    assert err == pytest.approx(0.0, abs=1e-24) and lost == pytest.approx(0.0, abs=1e-15)
+    kept = np.array([[0, 3, 5]])
+    err, lost = attention_loss.output_error(cap, kept, t)
+    errors, losses = [], []
+    for head in range(h):
+        for j in range(m):
+            pos = t + j
+            logits = cap.q[head, pos] @ cap.k[0, :pos + 1].T / 2.0
+            a = sp_softmax(logits)
+            dense = a @ cap.v[0, :pos + 1]
+            keep = [0, 3, 5, *range(t, pos + 1)]
+            evicted = sp_softmax(logits[keep]) @ cap.v[0, keep]
+            errors.append(np.sum((evicted - dense) ** 2) / np.sum(dense ** 2))
+            losses.append(a[[1, 2, 4]].sum())
+    assert err == pytest.approx(np.mean(errors), rel=1e-10)
+    assert lost == pytest.approx(np.mean(losses), rel=1e-10)
+
+
+def test_alr_cell_on_tiny(tiny64, monkeypatch):
+    from refkv.experiments import common
+
+    monkeypatch.setattr(common, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
+    params = {"model": "tiny", "dtype": "float64", "seed": 0, "kind": "alr", "length": 64, "segment": 0,
+              "lsh_bits": 16, "rankings": ["l2", "lsh", "h2o", "sink", "hashevict"]}
+    result = attention_loss.run_cell(params)
+    rankings = result["rankings"]
+    assert np.allclose(rankings["h2o"]["alr"], 0.0, atol=1e-12)
+    ideal = np.asarray(result["ideal_loss50"])
+    for name in ("l2", "lsh", "sink", "hashevict"):
+        alr = np.asarray(rankings[name]["alr"])
+        loss = np.asarray(rankings[name]["loss50"])
+        assert alr.shape == loss.shape == (4, 2)
+        assert np.all(alr >= -1e-12) and np.all(alr < 1)
+        assert np.all(loss >= ideal - 1e-12)  # no choice of T/2 tokens loses less than the ideal
+
+
+# -- key geometry --------------------------------------------------------------------------
+
+
+def test_mean_pairwise_cosine_matches_a_double_loop(rng):
+    k = rng.normal(size=(2, 6, 3))
+    got = geometry.mean_pairwise_cosine(k)
+    for h in range(2):
+        for i in range(6):
+            cos = [k[h, i] @ k[h, j] / np.linalg.norm(k[h, i]) / np.linalg.norm(k[h, j]) for j in range(6) if j != i]
+            assert got[h, i] == pytest.approx(np.mean(cos))
+
+
+def test_log_volume_by_hand():
+    keys = np.array([[2.0, 0.0], [0.0, 3.0], [0.0, 0.0]])
+    assert geometry.log_volume(keys) == pytest.approx(np.log(4.0) + np.log(9.0))
+    assert geometry.log_volume(np.array([[1.0, 1.0], [2.0, 2.0]])) == float("-inf")  # spans one dimension
+
+
+def test_pca_2d_matches_the_covariance_eigenvectors(rng):
+    x = rng.normal(size=(50, 4)) * np.array([5.0, 2.0, 0.5, 0.1])
+    got = geometry.pca_2d(x)
+    centred = x - x.mean(axis=0)
+    _values, vectors = np.linalg.eigh(centred.T @ centred)
+    top = vectors[:, ::-1][:, :2]
+    for c in range(2):  # equal up to the sign of each component
+        a, b = got[:, c], centred @ top[:, c]
+        assert min(np.abs(a - b).max(), np.abs(a + b).max()) < 1e-9
+    assert np.var(got[:, 0]) >= np.var(got[:, 1])
+
+
+def test_hamming_correlation_matches_a_direct_computation(rng):
+    from scipy.stats import pearsonr
+
+    q = rng.normal(size=(2, 5, 6))
+    k = rng.normal(size=(1, 5, 6))
+    w = sp_softmax(np.where(np.tril(np.ones((5, 5))) > 0, rng.normal(size=(1, 2, 5, 5)), -np.inf), axis=-1)
+    got = geometry.hamming_correlation(q, k, w, 8, [0, 1])
+    for head in range(2):
+        a, s = [], []
+        for i in range(5):
+            for j in range(i + 1):
+                dist = np.mean([hamming_unpacked(simhash(q[head, i], gaussian_planes(8, 6, seed)),
+                                                 simhash(k[0, j], gaussian_planes(8, 6, seed))) for seed in (0, 1)])
+                a.append(w[0, head, i, j])
+                s.append(-dist)
+        assert got[head] == pytest.approx(pearsonr(a, s)[0])
+
+
+def test_geometry_cells_on_tiny(tiny64, monkeypatch):
+    from refkv.experiments import common
+
+    monkeypatch.setattr(common, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
+    base = {"model": "tiny", "dtype": "float64", "seed": 0, "segment": 0}
+    cos = geometry.run_cell({**base, "kind": "cosine", "length": 80})
+    assert np.asarray(cos["spearman_pairwise"]).shape == (4, 2)
+    assert len(cos["picture"]["received"]) == 64
+    ret = geometry.run_cell({**base, "kind": "retention", "length": 120, "policy": "keydiff", "budget": 40,
+                             "block": 16})
+    assert np.asarray(ret["log_volume"]).shape == (4, 2)
+    assert sum(ret["pca"]["kept"]) == 40 and len(ret["pca"]["xy"]) == 120
+    ham = geometry.run_cell({**base, "kind": "hamming", "length": 40, "bits": [8, 32], "projections": 2})
+    assert np.asarray(ham["pearson"]["32"]).shape == (4, 4)
+
+
+# -- passkey -------------------------------------------------------------------------------
+
+
+def test_passkey_prompt_places_the_needle_and_hits_the_length():
+    tok = ByteTokenizer(512)
+    for depth in (0.0, 0.5, 1.0):
+        tokens, at = passkey.build_prompt(tok, 2000, depth, 48151, template="raw")
+        text = bytes(tokens).decode()
+        assert "The pass key is 48151. Remember it." in text
+        assert text.endswith("What is the pass key? The pass key is")
+        assert 2000 - 200 < len(tokens) <= 2000 + 10
+        assert text[at:at + 4] == "8151"
+        fraction = text.index("48151") / len(text)
+        assert abs(fraction - depth) < 0.12
+    with pytest.raises(ValueError, match="depth"):
+        passkey.build_prompt(tok, 2000, 1.5, 48151)
+    with pytest.raises(ValueError, match="five digits"):
+        passkey.build_prompt(tok, 2000, 0.5, 123)
+
+
+def test_passkey_key_depends_on_the_prompt_not_the_policy():
+    cells = passkey.cells(passkey.Settings(quick=True, model="tiny"))
+    assert {c["policy"] for c in cells} == {"full", "sink", "keydiff"}
+    keys = {passkey._key(c["seed"], c["length"], c["depth"], c["sample"]) for c in cells}
+    assert len(keys) == 1
+    assert passkey._key(0, 1024, 0.5, 0) != passkey._key(0, 1024, 0.5, 1)
+
+
+def test_passkey_cell_reports_retention_and_skips_what_cannot_run(tiny64, monkeypatch):
+    from refkv.experiments import common
+
+    monkeypatch.setattr(common, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
+    params = {"model": "tiny", "dtype": "float64", "seed": 0, "template": "raw", "filler": "repeat",
+              "max_new_tokens": 4, "length": 400, "depth": 0.5, "sample": 0}
+    full = passkey.run_cell({**params, "policy": "full", "budget": None, "block": 64})
+    assert full["needle_retention"] == 1.0 and isinstance(full["correct"], bool)
+    sink = passkey.run_cell({**params, "policy": "sink", "budget": 32, "block": 16})
+    assert sink["needle_retention"] == 0.0  # the middle of the prompt is outside sink + window
+    skipped = passkey.run_cell({**params, "policy": "hashevict", "budget": 64, "block": None})
+    assert "evicts before attention" in skipped["skipped"]
+
+
+@pytest.mark.slow
+def test_smollm2_retrieves_the_key_without_eviction(smollm2, smollm2_tokenizer, monkeypatch):
+    """The ceiling is not zero: with no eviction the 135M model reads the key back."""
+    from refkv.experiments import common
+
+    monkeypatch.setattr(common, "_MODELS", {("smollm2", "float32"): (smollm2, smollm2_tokenizer)})
+    params = {"model": "smollm2", "dtype": "float32", "seed": 0, "template": "chat", "filler": "repeat",
+              "max_new_tokens": 8, "length": 400, "depth": 0.5, "sample": 0, "policy": "full",
+              "budget": None, "block": 128}
+    result = passkey.run_cell(params)
+    assert result["correct"], result["answer"]
+    engine_tokens, at = passkey.build_prompt(smollm2_tokenizer, 400, 0.5, result["key"])
+    assert smollm2_tokenizer.decode(engine_tokens[at:at + 4]) == str(result["key"])[1:]
+    assert isinstance(Engine, type)
