@@ -59,4 +59,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 def swiglu(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
     """SwiGLU MLP: ``(silu(x W_gate) * (x W_up)) W_down`` with ``silu(z) = z * sigmoid(z)``."""
     gate = x @ w_gate
-    return (gate * expit(gate) * (x @ w_up)) @ w_down
+    hidden = expit(gate)  # then in place: the (T, d_ff) arrays are the MLP's largest temporaries
+    hidden *= gate
+    hidden *= x @ w_up
+    return hidden @ w_down
