@@ -23,7 +23,11 @@ Notes
 * **Bit layout.** Bit ``j`` of a code goes to byte ``j // 8`` at bit value ``1 << (j % 8)``
   (little-endian bit order); unused high bits of the last byte are zero. The packed bytes
   of a code are thus the little-endian bytes of the integer :math:`\\sum_j b_j 2^j`.
-* **Popcount.** A 256-entry table, so any NumPy version gives the same integers.
+* **Popcount.** :func:`hamming` XORs the codes as the widest unsigned words that divide
+  their byte count (one ``uint16`` per 16-bit code) and counts the one bits with
+  :func:`numpy.bitwise_count` (NumPy >= 2.0), falling back to a 256-entry byte table on
+  older NumPy. A word's count is the sum of its bytes' counts, so both give the same
+  integers; for 16-bit codes the word route is 12-60x faster (``bench/policies.py``).
 """
 
 from __future__ import annotations
@@ -141,7 +145,27 @@ def hamming(packed_a: np.ndarray, packed_b: np.ndarray) -> np.ndarray:
         raise ValueError(f"packed codes must be uint8, got {a.dtype} and {b.dtype}")
     if a.ndim < 1 or b.ndim < 1 or a.shape[-1] != b.shape[-1]:
         raise ValueError(f"packed codes must share their last axis (bytes per code), got {a.shape} and {b.shape}")
-    return _POPCOUNT[np.bitwise_xor(a, b)].sum(axis=-1, dtype=np.int64)
+    if not hasattr(np, "bitwise_count"):  # NumPy < 2.0: count byte by byte
+        return _POPCOUNT[np.bitwise_xor(a, b)].sum(axis=-1, dtype=np.int64)
+    ones = np.bitwise_count(np.bitwise_xor(_as_words(a), _as_words(b)))
+    if ones.shape[-1] == 1:  # one word per code: no reduction over a length-1 axis
+        return ones[..., 0].astype(np.int64)
+    return ones.sum(axis=-1, dtype=np.int64)
+
+
+def _as_words(packed: np.ndarray) -> np.ndarray:
+    """View ``(..., n_bytes)`` uint8 codes as the widest unsigned words dividing ``n_bytes``.
+
+    Only the grouping of bits changes (the bytes are not reordered), so popcounts of XORs
+    are unchanged whatever the byte order.
+    """
+    n_bytes = packed.shape[-1]
+    width = next(w for w in (8, 4, 2, 1) if n_bytes % w == 0)
+    if width == 1:
+        return packed
+    if packed.strides[-1] != 1:  # a view changing the item size needs contiguous bytes
+        packed = np.ascontiguousarray(packed)
+    return packed.view(np.dtype(f"u{width}"))
 
 
 def hamming_unpacked(codes_a: np.ndarray, codes_b: np.ndarray) -> np.ndarray:
