@@ -231,6 +231,7 @@ class Tokenizer(_Base):
         if bad:
             raise ValueError(f"text contains characters this vocabulary cannot encode (it lacks a token for "
                              f"one of their UTF-8 bytes): {', '.join(f'U+{ord(c):04X}' for c in bad)}")
+        # A setting of the backend, not an argument of its encode(): set it on every call.
         self.backend.encode_special_tokens = not special
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_bos:
