@@ -246,6 +246,8 @@ def test_tokenizer_refuses_other_models(smollm2_tokenizer):
 
 
 def test_tokenizer_from_a_small_gguf(tmp_path):
+    pytest.importorskip("gguf")
+    pytest.importorskip("tokenizers")
     from test_gguf import write_gguf
 
     from refkv.model import Tokenizer, load_with_tokenizer
