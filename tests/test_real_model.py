@@ -63,8 +63,8 @@ def test_greedy_raw_continuation(smollm2, smollm2_tokenizer):
 
 
 def test_prose_has_low_perplexity_and_shuffled_prose_a_high_one(smollm2, prose, prose_perplexity):
-    # A 135M model on language-reference prose: around 25 (measured 26.7 at 384 tokens).
-    # Uniform guessing would be 49152; the unigram entropy of English BPE is ~1000.
+    # Measured with Python 3.11's topics: 30.1 for the prose, 1911 shuffled (188 without
+    # the RoPE un-permutation, below). Uniform guessing would be 49152.
     shuffled = np.random.default_rng(0).permutation(prose)
     shuffled_perplexity = perplexity(smollm2, shuffled)
     assert prose_perplexity < 40
