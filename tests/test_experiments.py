@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 from scipy.special import log_softmax
 from scipy.special import softmax as sp_softmax
 
-from refkv import Engine
 from refkv.experiments import attention_loss, geometry, passkey, perplexity
 from refkv.experiments.common import (
     LayerCapture,
@@ -297,15 +296,15 @@ def test_passkey_cell_reports_retention_and_skips_what_cannot_run(tiny64, monkey
 
 @pytest.mark.slow
 def test_smollm2_retrieves_the_key_without_eviction(smollm2, smollm2_tokenizer, monkeypatch):
-    """The ceiling is not zero: with no eviction the 135M model reads the key back."""
+    """The ceiling is not zero: with no eviction the 135M model reads the key back (quick grid's prompt)."""
     from refkv.experiments import common
 
     monkeypatch.setattr(common, "_MODELS", {("smollm2", "float32"): (smollm2, smollm2_tokenizer)})
-    params = {"model": "smollm2", "dtype": "float32", "seed": 0, "template": "chat", "filler": "repeat",
-              "max_new_tokens": 8, "length": 400, "depth": 0.5, "sample": 0, "policy": "full",
-              "budget": None, "block": 128}
-    result = passkey.run_cell(params)
+    ceiling = passkey.cells(passkey.Settings(quick=True, model="smollm2"))[0]
+    assert ceiling["policy"] == "full" and ceiling["budget"] is None
+    result = passkey.run_cell(ceiling)
     assert result["correct"], result["answer"]
-    engine_tokens, at = passkey.build_prompt(smollm2_tokenizer, 400, 0.5, result["key"])
-    assert smollm2_tokenizer.decode(engine_tokens[at:at + 4]) == str(result["key"])[1:]
-    assert isinstance(Engine, type)
+    tokens, at = passkey.build_prompt(smollm2_tokenizer, ceiling["length"], ceiling["depth"], result["key"],
+                                      template=ceiling["template"], needle=ceiling["needle"])
+    assert len(tokens) == result["prompt_tokens"]
+    assert smollm2_tokenizer.decode(tokens[at:at + 4]) == str(result["key"])[1:]

@@ -207,6 +207,10 @@ def test_cli_runs_resumes_and_reports(tmp_path, capsys):
     assert ppl[("sink", None)] == ppl[("full", None)]
     assert main([*args, "--dry-run"]) == 0
     assert "0 cells to run, 3 finished" in capsys.readouterr().err
+    # A rerun has nothing to compute; --publish copies the tables and plots.
+    assert main([*args, "--publish", str(tmp_path / "pub")]) == 0
+    assert (tmp_path / "pub" / "perplexity" / "ppl.csv").read_text() == "\n".join(table) + "\n"
+    assert not list((tmp_path / "pub").rglob("*.jsonl"))
 
 
 def test_cli_errors_exit_2(tmp_path, capsys):

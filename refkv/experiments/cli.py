@@ -42,6 +42,8 @@ def add_experiment_command(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="base seed of the grid (default 0)")
     p.add_argument("--dry-run", action="store_true", help="list the cells still to run and exit")
     p.add_argument("--no-summary", action="store_true", help="skip the tables and plots")
+    p.add_argument("--publish", metavar="DIR", default=None,
+                   help="also copy each experiment's tables and plots to DIR/NAME/ (how the docs get theirs)")
     p.set_defaults(func=_cmd_experiment)
 
 
@@ -68,9 +70,30 @@ def _cmd_experiment(args) -> int:
     start = time.perf_counter()
     records = run(experiments, settings, out=args.out, jobs=args.jobs, summarise=not args.no_summary)
     elapsed = time.perf_counter() - start
+    if args.publish:
+        _publish(args.out, args.publish, list(records))
     for name, recs in records.items():
         cell_time = sum(r["wall_time_s"] for r in recs)
         print(f"{name}: {len(recs)} cells, {cell_time:.0f} s of cell time -> {args.out}/{name}.jsonl, "
               f"{args.out}/{name}/")
     print(f"wall time {elapsed:.0f} s with --jobs {args.jobs}")
     return 0
+
+
+def _publish(out, target, names) -> None:
+    """Copy the CSV tables and PNG/SVG plots of ``names`` from ``out`` to ``target`` (atomically per file)."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    for name in names:
+        source, dest = Path(out) / name, Path(target) / name
+        dest.mkdir(parents=True, exist_ok=True)
+        for path in sorted(source.glob("*")):
+            if path.suffix not in (".csv", ".png", ".svg"):
+                continue
+            fd, tmp = tempfile.mkstemp(dir=dest, prefix=f".{path.name}.", suffix=".tmp")
+            os.close(fd)
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, dest / path.name)
