@@ -131,9 +131,13 @@ class Engine:
             model, so it is skipped for positions nobody reads.
         """
         tokens = self.model.check_tokens(tokens)
-        if self.policy.evict_before_attention and self.budget is not None and len(tokens) > self.budget:
-            raise ValueError(f"block size must be <= budget={self.budget} for {self.policy.name}, which "
-                             f"evicts before attention; got a block of {len(tokens)}")
+        limit = None if self.budget is None else self.policy.max_block(self.budget, self.model.config)
+        evicts = self.budget is not None and len(self.caches[0]) + len(tokens) > self.budget
+        if limit is not None and evicts and len(tokens) > limit:
+            # Every layer holds the same count, so this is known before any layer changes its
+            # cache: a refused block leaves the engine intact.
+            raise ValueError(f"block size must be <= {limit} for {self.policy.name} with budget={self.budget} "
+                             f"(it evicts before attention); got a block of {len(tokens)}")
         positions = np.arange(self.position, self.position + len(tokens), dtype=np.int64)
         rope = self.model.rope(positions)
         x = self.model.embed(tokens)

@@ -249,3 +249,24 @@ def test_full_policy_refuses_a_budget_it_cannot_keep(tiny64):
     engine = Engine(tiny64, "full", budget=5)
     with pytest.raises(ValueError, match="protected tokens do not fit"):
         engine.prefill(random_prompt(tiny64, 10, seed=9), 2)
+
+
+def test_a_block_too_large_is_refused_before_any_state_changes(tiny64):
+    """Policies that evict before attention state their largest block (``max_block``); the engine
+    refuses a larger one up front, so the caches are untouched and the engine stays usable."""
+    from refkv.policies import get
+
+    mat = get("mat")  # shallow layers keep sink=4 tokens: B <= N - 4
+    assert mat.max_block(10, tiny64.config) == 6
+    assert get("hashevict").max_block(20, tiny64.config) == 16
+    assert get("sink").max_block(10, tiny64.config) is None
+    engine = Engine(tiny64, mat, budget=10)
+    engine.prefill(random_prompt(tiny64, 12, seed=10), 6)
+    before = [c.positions.copy() for c in engine.caches]
+    with pytest.raises(ValueError, match="block size must be <= 6 for mat with budget=10"):
+        engine.forward(random_prompt(tiny64, 7, seed=11))
+    assert engine.position == 12
+    for cache, positions in zip(engine.caches, before):
+        np.testing.assert_array_equal(cache.positions, positions)
+    engine.forward(random_prompt(tiny64, 6, seed=12))  # still usable
+    assert engine.position == 18

@@ -196,9 +196,10 @@ def replay(policy: Policy, tokens: Tokens, *, block_size: int, budget: int, laye
     config = config_for(h, hkv, d, n_layers)
     policy.check(budget, config)
     before = policy.evict_before_attention
-    if before and block_size > budget:
-        raise ValueError(f"block size must be <= budget={budget} for {policy.name}, which evicts before "
-                         f"attention; got {block_size}")
+    limit = policy.max_block(budget, config)
+    if limit is not None and block_size > limit:
+        raise ValueError(f"block size must be <= {limit} for {policy.name} with budget={budget} (it evicts "
+                         f"before attention); got a block of {block_size}")
     want_weights = "attention" in policy.needs
     cache = LayerCache(hkv, d, tokens.dtype, policy.fields(config))
     for start in range(0, t, block_size):

@@ -147,6 +147,16 @@ class Policy:
     def check(self, budget: int, config: ModelConfig) -> None:
         """Raise ValueError if this policy cannot run with ``budget`` on ``config``."""
 
+    def max_block(self, budget: int, config: ModelConfig) -> int | None:
+        """Largest block size ``B`` this policy can process under ``budget`` (None: any).
+
+        A policy that evicts before attention must fit the block next to what it keeps:
+        by default ``B <= N``; policies that protect tokens at that eviction lower it. The
+        engine checks a block that would trigger an eviction against this before it
+        changes any state (a block that fits in the budget as it is never needs it).
+        """
+        return budget if self.evict_before_attention else None
+
     def fields(self, config: ModelConfig) -> dict[str, FieldSpec]:
         """Per-token state fields this policy keeps in the cache."""
         return {}

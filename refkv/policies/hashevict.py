@@ -133,6 +133,11 @@ class HashEvict(Policy):
             raise ValueError(f"budget must be >= sink + recent = {self.sink + self.recent} for hashevict, "
                              f"got {budget}")
 
+    def max_block(self, budget: int, config: ModelConfig) -> int:
+        """``B <= N - sink``: the block must fit beside the sink tokens (with ``N >= sink + recent``,
+        the recent ones kept at that eviction, ``max(recent - B, 0)``, then fit too)."""
+        return budget - self.sink
+
     @property
     def n_bytes(self) -> int:
         """Bytes per packed code, ``ceil(n_bits / 8)``."""

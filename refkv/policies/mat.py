@@ -227,6 +227,15 @@ class MAT(Policy):
             raise ValueError(f"budget must be > sink={self.sink} (room for the shallow layers' window), "
                              f"got {budget}")
 
+    def max_block(self, budget: int, config: ModelConfig) -> int:
+        """``B <= N - 1`` for deep layers (the first token stays), ``B <= N - sink`` for shallow ones."""
+        limits = []
+        if self.shallow_layers < config.n_layers:
+            limits.append(budget - 1)
+        if self.shallow_layers > 0:
+            limits.append(budget - self.sink)
+        return min(limits)
+
     def anchor_size(self, budget: int) -> int:
         """``β`` for a budget ``N``: ``beta``, or ``max(1, N // 4)`` when it is None."""
         return default_beta(budget) if self.beta is None else int(self.beta)
