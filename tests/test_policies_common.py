@@ -103,7 +103,7 @@ def test_runs_through_the_engine(name, block, tiny64):
     tokens = prompt(T)
     budget = None if name in UNBOUNDED else budget_for(name)
     if get(name).evict_before_attention and block is None:
-        with pytest.raises(ValueError, match="block size must be <= .* with budget="):
+        with pytest.raises(ValueError, match=r"block size must be <= .* with budget="):
             Engine(tiny64, get(name), budget).prefill(tokens, block)
         return
     engine = check_run(name, tiny64, tokens, budget, block)

@@ -246,7 +246,7 @@ def test_engine_runs_attention_free(tiny64, tiny32, dtype_name, block, budget, p
 
 
 def test_engine_rejects_blocks_too_large(tiny64):
-    with pytest.raises(ValueError, match="block size must be <= .* with budget="):
+    with pytest.raises(ValueError, match=r"block size must be <= .* with budget="):
         Engine(tiny64, "hashevict", 16).prefill(np.arange(40), 17)
     with pytest.raises(ValueError, match="block size must be <= 12 for hashevict"):  # B <= N - sink
         Engine(tiny64, "hashevict", 16).prefill(np.arange(40), 13)

@@ -295,7 +295,7 @@ def test_engine_rejects_a_block_of_n(tiny64):
     tokens = np.arange(24)
     with pytest.raises(ValueError, match="block size must be <= 7 for mat"):  # B <= N - 1: the first token stays
         Engine(tiny64, MAT(shallow_layers=0), 8).prefill(tokens, 8)
-    with pytest.raises(ValueError, match="block size must be <= .* with budget="):
+    with pytest.raises(ValueError, match=r"block size must be <= .* with budget="):
         Engine(tiny64, "mat", 8).prefill(tokens, 9)
 
 
