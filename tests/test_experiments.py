@@ -308,3 +308,15 @@ def test_smollm2_retrieves_the_key_without_eviction(smollm2, smollm2_tokenizer, 
                                       template=ceiling["template"], needle=ceiling["needle"])
     assert len(tokens) == result["prompt_tokens"]
     assert smollm2_tokenizer.decode(tokens[at:at + 4]) == str(result["key"])[1:]
+
+
+def test_perplexity_grid_adds_token_by_token_cells_only_to_the_default_grid():
+    from refkv.experiments.runner import Settings
+
+    default = perplexity.cells(Settings(model="tiny"))
+    by_token = [c for c in default if c["block"] == 1]
+    assert sorted(c["policy"] for c in by_token) == sorted(perplexity.TOKEN_BY_TOKEN)
+    assert {c["budget"] for c in by_token} == {128} and {c["segment"] for c in by_token} == {0}
+    custom = perplexity.cells(Settings(model="tiny", policies=("mat",), budgets=(64,)))
+    assert {c["block"] for c in custom} == {32}
+    assert {c["policy"] for c in custom} == {"full", "mat"}

@@ -87,6 +87,8 @@ def _publish(out, target, names) -> None:
     import tempfile
     from pathlib import Path
 
+    from .common import file_mode
+
     for name in names:
         source, dest = Path(out) / name, Path(target) / name
         dest.mkdir(parents=True, exist_ok=True)
@@ -96,4 +98,5 @@ def _publish(out, target, names) -> None:
             fd, tmp = tempfile.mkstemp(dir=dest, prefix=f".{path.name}.", suffix=".tmp")
             os.close(fd)
             shutil.copyfile(path, tmp)
+            os.chmod(tmp, file_mode())
             os.replace(tmp, dest / path.name)

@@ -282,12 +282,20 @@ def write_text(path, text: str) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, file_mode())  # mkstemp makes 0600; a table is as readable as any written file
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     return path
+
+
+def file_mode() -> int:
+    """Permissions an ordinary new file gets here (0666 minus the umask)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def mean_std(values) -> tuple[float, float, int]:

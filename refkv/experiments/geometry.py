@@ -9,7 +9,9 @@ Three kinds of cells:
   receives from the queries that can see it (group-averaged weights,
   :math:`\\frac{1}{T-i}\\sum_{q \\ge i} a_{q,i}`); KeyDiff's claim is that it is positive.
   The same correlation is kept for KeyDiff's anchor score (Eq. 8, minus the cosine to
-  the mean unit key). The first 64 keys of one head are kept for the Fig. 2 picture.
+  the mean unit key; it ranks keys exactly as the pairwise sum, Eq. 7 = Eq. 8, so the two
+  columns agree, a check) and for the L2 rule's score (minus the key norm, HashEvict
+  App. C / Devoto et al.). The first 64 keys of one head are kept for the Fig. 2 picture.
 * ``kind="retention"`` (Figs. 4, 5): the engine prefills the prompt under a policy
   (budget ``N``, block ``B``); per layer and KV head, the log-volume of the kept keys,
   :math:`\\log\\det(K^\\top K)` (see Notes), and their mean pairwise cosine. For one
@@ -206,7 +208,7 @@ def _run_cosine(params: dict) -> dict:
     t = params["length"]
     positions = np.arange(t, dtype=np.int64)
     kv_positions = np.broadcast_to(positions, (model.config.n_kv_heads, t))
-    pairwise, anchor = [], []
+    pairwise, anchor, low_norm = [], [], []
     plot_layer, plot_head = _plot_head(model.config)
     picture = None
     for layer, cap in enumerate(layers):
@@ -214,13 +216,16 @@ def _run_cosine(params: dict) -> dict:
         neg_cos = -mean_pairwise_cosine(cap.k)
         unit = _unit(cap.k)
         anchor_score = -(unit @ _unit(unit.mean(axis=1))[:, :, None])[..., 0]
+        norms = np.linalg.norm(cap.k.astype(np.float64), axis=-1)
         pairwise.append([_spearman(neg_cos[h], received[h]) for h in range(len(received))])
         anchor.append([_spearman(anchor_score[h], received[h]) for h in range(len(received))])
+        low_norm.append([_spearman(-norms[h], received[h]) for h in range(len(received))])
         if layer == plot_layer:
             u = unit[plot_head, :64]
             picture = {"layer": layer, "head": plot_head, "cosine": np.round(u @ u.T, 4).tolist(),
                        "received": [float(x) for x in received[plot_head, :64]]}
-    return {"spearman_pairwise": pairwise, "spearman_anchor": anchor, "picture": picture}
+    return {"spearman_pairwise": pairwise, "spearman_anchor": anchor, "spearman_low_norm": low_norm,
+            "picture": picture}
 
 
 def _run_retention(params: dict) -> dict:
@@ -279,13 +284,16 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
     if cos:
         pair = np.asarray([r["result"]["spearman_pairwise"] for r in cos], dtype=np.float64)
         anch = np.asarray([r["result"]["spearman_anchor"] for r in cos], dtype=np.float64)
+        norm = np.asarray([r["result"]["spearman_low_norm"] for r in cos], dtype=np.float64)
         rows = [{"layer": layer, "spearman_pairwise": float(np.nanmean(pair[:, layer])),
                  "spearman_anchor": float(np.nanmean(anch[:, layer])),
-                 "heads_positive_pairwise": float(np.mean(pair[:, layer] > 0))}
+                 "heads_positive_pairwise": float(np.mean(pair[:, layer] > 0)),
+                 "spearman_low_norm": float(np.nanmean(norm[:, layer]))}
                 for layer in range(pair.shape[1])]
         rows.append({"layer": "all", "spearman_pairwise": float(np.nanmean(pair)),
                      "spearman_anchor": float(np.nanmean(anch)),
-                     "heads_positive_pairwise": float(np.mean(pair > 0))})
+                     "heads_positive_pairwise": float(np.mean(pair > 0)),
+                     "spearman_low_norm": float(np.nanmean(norm))})
         written.append(write_csv(folder / "cosine.csv", rows))
         written += plots.cosine_picture(cos[0]["result"]["picture"], folder)
 

@@ -86,9 +86,10 @@ def passkey_heatmaps(records: list[dict], folder: Path) -> list[Path]:
         lengths = sorted({r["params"]["length"] for r in records})
         depths = sorted({r["params"]["depth"] for r in records})
         rows, cols = _grid(len(panels))
-        fig, axes = plt.subplots(rows, cols, figsize=(2.3 * cols, 2.0 * rows), squeeze=False)
+        fig, axes = plt.subplots(rows, cols, figsize=(2.2 * cols + 1.0, 2.1 * rows + 0.6), squeeze=False,
+                                 sharex=True, sharey=True, constrained_layout=True)
         image = None
-        for ax, (title, group) in zip(axes.flat, panels):
+        for index, (ax, (title, group)) in enumerate(zip(axes.flat, panels)):
             grid = np.full((len(depths), len(lengths)), np.nan)
             for i, depth in enumerate(depths):
                 for j, length in enumerate(lengths):
@@ -101,8 +102,11 @@ def passkey_heatmaps(records: list[dict], folder: Path) -> list[Path]:
             ax.set_title(f"{title}\nacc {mean:.2f}", fontsize=8)
             ax.set_xticks(range(len(lengths)), [str(v) for v in lengths])
             ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-            ax.set_xlabel("prompt length (tokens)")
-            ax.set_ylabel("needle depth")
+            ax.tick_params(labelbottom=True)
+            if index % cols == 0:
+                ax.set_ylabel("needle depth")
+            if index >= len(panels) - cols:
+                ax.set_xlabel("prompt length (tokens)")
         for ax in list(axes.flat)[len(panels):]:
             ax.axis("off")
         if image is not None:
@@ -113,54 +117,85 @@ def passkey_heatmaps(records: list[dict], folder: Path) -> list[Path]:
 
 
 def perplexity_bars(rows: list[dict], folder: Path) -> list[Path]:
-    """Perplexity gap to no eviction per policy, one group of bars per budget (CAOTE Table 4)."""
+    """Perplexity gap to no eviction per policy, one colour per (budget, block) (CAOTE Table 4)."""
     rows = [r for r in rows if r.get("policy") != "full" and r.get("delta_ppl") is not None]
     if not available() or not rows:
         return []
     plt = _pyplot()
-    budgets = sorted({r["budget"] for r in rows}, key=_none_last)
-    labels = list(dict.fromkeys(r["label"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * len(labels) * len(budgets)), 3.0))
-    width = 0.8 / len(budgets)
+    groups = sorted({(r["budget"], r["block"]) for r in rows}, key=lambda g: (_none_last(g[0]), _none_last(g[1])))
+    # Policies in the order of the group that has the most of them (ties: the first group).
+    main = max(groups, key=lambda g: sum(1 for r in rows if (r["budget"], r["block"]) == g))
+    order = {r["label"]: r["delta_ppl"] for r in rows if (r["budget"], r["block"]) == main}
+    labels = sorted(dict.fromkeys(r["label"] for r in rows), key=lambda lab: order.get(lab, np.inf))
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(labels) * len(groups)), 3.0))
+    lowest = 0.0
+    width = 0.8 / len(groups)
     x = np.arange(len(labels))
-    for i, budget in enumerate(budgets):
-        values = [next((r["delta_ppl"] for r in rows if r["label"] == lab and r["budget"] == budget), np.nan)
-                  for lab in labels]
-        errors = [next((r.get("delta_ppl_std") or 0.0 for r in rows if r["label"] == lab and r["budget"] == budget),
-                       0.0) for lab in labels]
-        ax.bar(x + (i - (len(budgets) - 1) / 2) * width, values, width, yerr=errors, label=f"N={budget}",
-               capsize=2)
+    for i, (budget, block) in enumerate(groups):
+        chosen = {r["label"]: r for r in rows if r["budget"] == budget and r["block"] == block}
+        values = [chosen[lab]["delta_ppl"] if lab in chosen else np.nan for lab in labels]
+        errors = [(chosen[lab].get("delta_ppl_std") or 0.0) if lab in chosen else 0.0 for lab in labels]
+        ax.bar(x + (i - (len(groups) - 1) / 2) * width, values, width, yerr=errors, capsize=2,
+               label=f"N={budget}, B={_block(block)}")
+        lowest = min([lowest, *[v - e for v, e in zip(values, errors) if np.isfinite(v)]])
     ax.set_xticks(x, labels, rotation=60, ha="right")
     ax.set_ylabel("perplexity - dense perplexity")
     ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_ylim(bottom=lowest * 1.2)
     ax.axhline(0.0, color="black", linewidth=0.5)
-    ax.legend()
+    ax.legend(fontsize=7)
     ax.set_title("perplexity gap under eviction (lower is better)")
     return _save(fig, folder, "ppl_gap")
 
 
 def output_error_lines(curves: dict, folder: Path) -> list[Path]:
-    """Normalised attention-output error per layer; CAOTE variants dashed (CAOTE Fig. 3)."""
+    """Normalised attention-output error per layer (CAOTE Fig. 3).
+
+    Two figures: ``output_error_caote`` (each base policy solid, +CAOTE dashed,
+    +FastCAOTE dotted, one colour per base) and ``output_error_by_layer`` (every policy).
+    """
     if not available() or not curves:
         return []
     plt = _pyplot()
     from .common import format_spec_label, parse_spec
 
-    fig, ax = plt.subplots(figsize=(6.0, 3.4))
-    colours = {}
-    for (policy, budget, block), curve in curves.items():
-        name, params = parse_spec(policy)
-        family = str(params.get("base", "h2o")) if name == "caote" else name
-        colour = colours.setdefault(family, f"C{len(colours) % 10}")
-        style = "--" if name == "caote" and not params.get("fast") else (":" if name == "caote" else "-")
-        ax.plot(np.arange(len(curve)), curve, style, color=colour, linewidth=1.0,
-                label=f"{format_spec_label(policy)} (N={budget}, B={_block(block)})")
+    settings = {(n, b) for (_, n, b) in curves}
+    suffix = "" if len(settings) > 1 else " (N={}, B={})".format(*next(iter(settings)))
+
+    def label(policy, budget, block):
+        extra = f" (N={budget}, B={_block(block)})" if len(settings) > 1 else ""
+        return format_spec_label(policy) + extra
+
+    written = []
+    families = {}
+    for key in curves:
+        name, params = parse_spec(key[0])
+        base = str(params.get("base", "h2o")) if name == "caote" else name
+        families.setdefault(base, []).append((key, name, params))
+    caote_bases = {base for base, members in families.items() if any(name == "caote" for _, name, _ in members)}
+    if caote_bases:
+        fig, ax = plt.subplots(figsize=(6.0, 3.2))
+        for colour, base in enumerate(sorted(caote_bases)):
+            for key, name, params in families[base]:
+                style = "-" if name != "caote" else (":" if params.get("fast") else "--")
+                ax.plot(np.arange(len(curves[key])), curves[key], style, color=f"C{colour}", linewidth=1.0,
+                        label=label(*key))
+        ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_ylabel(r"$\|o_e - o_d\|^2 / \|o_d\|^2$")
+        ax.set_title("output error with and without CAOTE" + suffix, fontsize=8)
+        ax.legend(fontsize=6, ncol=1, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        written += _save(fig, folder, "output_error_caote")
+    fig, ax = plt.subplots(figsize=(6.0, 3.2))
+    for i, key in enumerate(k for k in curves if parse_spec(k[0])[0] != "caote"):
+        ax.plot(np.arange(len(curves[key])), curves[key], "-" if i < 10 else "--", linewidth=1.0,
+                label=label(*key))
     ax.set_yscale("log")
     ax.set_xlabel("layer")
     ax.set_ylabel(r"$\|o_e - o_d\|^2 / \|o_d\|^2$")
-    ax.set_title("attention-output error of the kept cache (CAOTE dashed, FastCAOTE dotted)")
-    ax.legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return _save(fig, folder, "output_error_by_layer")
+    ax.set_title("attention-output error of the kept cache" + suffix, fontsize=8)
+    ax.legend(fontsize=6, ncol=1, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return written + _save(fig, folder, "output_error_by_layer")
 
 
 def alr_lines(by_layer: dict, folder: Path) -> list[Path]:
@@ -170,10 +205,13 @@ def alr_lines(by_layer: dict, folder: Path) -> list[Path]:
     plt = _pyplot()
     from .common import format_spec_label
 
+    # HashEvict's comparison (L2, its App. D ranking, the policy) and a few others; the CSV has all.
+    shown = [n for n in ("l2", "lsh", "hashevict", "keydiff", "tova", "snapkv", "scissorhands") if n in by_layer]
     fig, ax = plt.subplots(figsize=(6.0, 3.2))
-    for name, curve in by_layer.items():
+    for name in shown or list(by_layer):
+        curve = by_layer[name]
         label = {"l2": "L2 norm", "lsh": "LSH (App. D)"}.get(name) or format_spec_label(name)
-        style = "-" if name in ("l2", "lsh", "hashevict", "knorm") else "--"
+        style = "-" if name in ("l2", "lsh", "hashevict") else "--"
         ax.plot(np.arange(len(curve)), curve, style, linewidth=1.0, label=label)
     ax.set_xlabel("layer")
     ax.set_ylabel("attention loss ratio / T")
@@ -221,12 +259,13 @@ def pca_scatter(pictures: dict, folder: Path) -> list[Path]:
         return []
     plt = _pyplot()
     names = list(pictures)
-    fig, axes = plt.subplots(1, len(names), figsize=(2.6 * len(names), 2.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(names), figsize=(2.6 * len(names), 2.9), squeeze=False, constrained_layout=True)
     for ax, name in zip(axes[0], names):
         xy = np.asarray(pictures[name]["xy"])
         kept = np.asarray(pictures[name]["kept"], dtype=bool)
-        ax.scatter(xy[~kept, 0], xy[~kept, 1], s=3, color="tab:orange", label="evicted")
-        ax.scatter(xy[kept, 0], xy[kept, 1], s=3, color="tab:blue", label="retained")
+        # Rasterised points keep the SVG small (thousands of markers otherwise).
+        ax.scatter(xy[~kept, 0], xy[~kept, 1], s=3, color="tab:orange", label="evicted", rasterized=True)
+        ax.scatter(xy[kept, 0], xy[kept, 1], s=3, color="tab:blue", label="retained", rasterized=True)
         ax.set_title(name)
         ax.set_xticks([])
         ax.set_yticks([])
