@@ -284,7 +284,7 @@ def test_passkey_cell_reports_retention_and_skips_what_cannot_run(tiny64, monkey
     from refkv.experiments import common
 
     monkeypatch.setattr(common, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
-    params = {"model": "tiny", "dtype": "float64", "seed": 0, "template": "raw", "filler": "repeat",
+    params = {"model": "tiny", "dtype": "float64", "seed": 0, "template": "raw", "filler": "repeat", "needle": "short",
               "max_new_tokens": 4, "length": 400, "depth": 0.5, "sample": 0}
     full = passkey.run_cell({**params, "policy": "full", "budget": None, "block": 64})
     assert full["needle_retention"] == 1.0 and isinstance(full["correct"], bool)

@@ -222,3 +222,23 @@ def test_cli_errors_exit_2(tmp_path, capsys):
     assert "unknown policy 'nope'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["experiment", "nonexistent"])
+
+
+def test_results_page_commands_and_files_exist():
+    """Every ``refkv experiment`` command on the results page parses; every file it shows exists."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from refkv.cli import build_parser
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    page = (docs / "guide" / "experiments.rst").read_text(encoding="utf-8")
+    commands = re.findall(r"(?:\$ |``)(refkv experiment [^`#\n]*)", page)
+    assert len(commands) >= 6
+    for command in commands:
+        build_parser().parse_args(shlex.split(command)[1:])  # SystemExit on an unknown option
+    files = re.findall(r"(?::file:|\.\. image::) \.\./(_static/experiments/\S+)", page)
+    assert len(files) >= 15
+    for name in files:
+        assert (docs / name).is_file(), name

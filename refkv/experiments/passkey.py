@@ -13,7 +13,7 @@ needle tests)::
 
     <filler> ... The pass key is 48151. Remember it. ... <filler>
 
-    What is the pass key?                       (then the answer starts: "The pass key is")
+    What is the pass key? The pass key is
 
 Notes
 -----
@@ -22,10 +22,14 @@ Notes
   sentences from a small grammar. SmolLM2-135M finds the key in the repeated filler
   at 1-2K tokens but hardly ever in varied filler beyond ~700 tokens even with no
   eviction, so only the repeated filler measures eviction at all at this scale.
-* **Template.** ``template="chat"`` wraps the prompt in the model's ChatML template
-  (one user message, then the assistant turn starting with "The pass key is");
-  ``"raw"`` is plain text. Models without a chat template (the built-in ``tiny``)
-  always use raw text.
+* **Template and needle (grid default: raw text, short needle).** ``template="chat"``
+  wraps the prompt in the model's ChatML template (one user message, then the assistant
+  turn starting with "The pass key is"); ``"raw"`` is plain text (models without a chat
+  template, like ``tiny``, always get raw text). ``needle="short"`` is "The pass key is
+  K. Remember it."; ``"classic"`` adds "K is the pass key." With no eviction, SmolLM2
+  found the key at 2,048 tokens in 3 of 5 depths with raw text (either needle) but in
+  0-1 of 5 with the chat template, and raw + short found it in 5 of 5 at 1,024 and 4,096
+  tokens: the grid uses raw text and the short needle.
 * **Depth** ``d`` in [0, 1] puts the needle after ``round(d * n)`` of the ``n`` filler
   units; the record keeps the needle's actual token position.
 * **Pairing.** The key and the haystack depend only on (seed, length, depth, sample),
@@ -92,8 +96,8 @@ def _render(tokenizer, units: list[str], template: str) -> list[int]:
     return list(tokenizer.encode(f"{INTRO}\n\n{haystack}\n\n{QUESTION} {ANSWER_PREFIX}"))
 
 
-def build_prompt(tokenizer, length: int, depth: float, key: int, *, template: str = "chat",
-                 filler: str = "repeat", needle: str = "classic", seed: int = 0) -> tuple[list[int], int]:
+def build_prompt(tokenizer, length: int, depth: float, key: int, *, template: str = "raw",
+                 filler: str = "repeat", needle: str = "short", seed: int = 0) -> tuple[list[int], int]:
     """The prompt tokens (about ``length`` of them) and the token index of the key's last digits.
 
     Parameters
@@ -194,7 +198,7 @@ def run_cell(params: dict) -> dict:
     key = _key(params["seed"], params["length"], params["depth"], params["sample"])
     tokens, needle_at = build_prompt(tokenizer, params["length"], params["depth"], key,
                                      template=params["template"], filler=params["filler"],
-                                     needle=params.get("needle", "classic"), seed=params["seed"])
+                                     needle=params["needle"], seed=params["seed"])
     base = {"key": key, "prompt_tokens": len(tokens), "needle_position": needle_at}
     budget, block = params["budget"], params["block"]
     if params["policy"] != "full":
