@@ -65,7 +65,13 @@ def causal_logits(q: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.nda
 
 def attention_weights(q, k, q_pos, k_pos) -> np.ndarray:
     """The attention weights ``A`` (Hkv, g, B, n); rows sum to 1 over visible keys."""
-    return softmax(causal_logits(q, k, q_pos, k_pos))
+    a = causal_logits(q, k, q_pos, k_pos)
+    # softmax(a), in place: the operations of softmax() without its three extra
+    # (Hkv, g, B, n) temporaries (a quarter of the peak memory).
+    a -= a.max(axis=-1, keepdims=True)
+    np.exp(a, out=a)
+    a /= a.sum(axis=-1, keepdims=True)
+    return a
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, *,
