@@ -232,6 +232,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget", type=int, default=2048, help="N, tokens per layer and KV head")
     parser.add_argument("--block", type=int, default=128, help="B, tokens per block")
     parser.add_argument("--no-one-shot", action="store_true", help="skip the B = None contrast")
+    parser.add_argument("--one-shot-only", action="store_true", help="run only the B = None contrast")
     parser.add_argument("--one-shot-max-tokens", type=int, default=4096,
                         help="longest prompt run with B = None for attention-based policies")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
@@ -249,7 +250,7 @@ def main(argv=None) -> dict:
     lengths = args.lengths or ((256, 512) if args.quick else LENGTHS)
     policies = tuple(args.policies.split(","))
 
-    grid = [(p, t, args.block) for t in lengths for p in policies]
+    grid = [] if args.one_shot_only else [(p, t, args.block) for t in lengths for p in policies]
     if not args.no_one_shot:
         grid += [(p, t, None) for t in lengths for p in policies
                  if p in ATTENTION_FREE or t <= args.one_shot_max_tokens]
