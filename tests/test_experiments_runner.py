@@ -242,3 +242,13 @@ def test_results_page_commands_and_files_exist():
     assert len(files) >= 15
     for name in files:
         assert (docs / name).is_file(), name
+
+
+def test_summaries_write_tables_without_matplotlib(tmp_path, monkeypatch):
+    """Plots are optional (the ``plot`` extra): without matplotlib the CSV tables are still written."""
+    from refkv.experiments import get_experiment, plots
+
+    monkeypatch.setattr(plots, "available", lambda: False)
+    runner.run(get_experiment("perplexity"), Settings(quick=True, model="tiny"), out=tmp_path, stream=io.StringIO())
+    written = sorted(p.name for p in (tmp_path / "perplexity").iterdir())
+    assert written == ["ppl.csv"]
