@@ -23,14 +23,16 @@ cannot be reset (another OS), the report says so and the load peak is shown besi
 
 The contrast, ``B = None`` (the whole prompt as one block, then eviction: kvpress's
 one-shot setting), holds ``T`` keys per layer and, for attention-based policies,
-materialises the (Hkv, g, T, T) weights: ~``9 T^2`` floats per layer call, 2.4 GB per
-matrix at ``T = 8K`` in float32, with several temporaries of that size alive at once. It
-runs for the attention-free policies at every length and for the attention-based ones
-only up to ``--one-shot-max-tokens`` (default 4096); the 8K figure of the latter is
-extrapolated from a fit ``a + b T^2`` and marked as such.
+materialises the (Hkv, g, T, T) weights: ``9 T^2`` floats per layer call, 2.25 GiB at
+``T = 8K`` in float32 (the engine's route keeps about one such array alive; the peak at
+8K is ~4 GiB). It runs for the attention-free policies at every length and for the
+attention-based ones up to ``--one-shot-max-tokens`` (default 8192: lower it on a
+machine with less than ~5 GB free); a length beyond it gets a figure extrapolated from
+``a + b T^2`` through the two longest runs, marked as such.
 
 Run ``python bench/memory.py`` (tens of minutes on 2 cores), ``--out FILE.json`` to keep
-the raw figures, ``--quick`` for T = 256, 512 with N = 128, B = 32.
+the raw figures, ``--report A.json B.json`` to print the tables of saved runs (merged),
+``--quick`` for T = 256, 512 with N = 128, B = 32.
 """
 
 from __future__ import annotations
@@ -193,7 +195,7 @@ def report(results: dict) -> str:
         return f"{t // 1024}K" if t % 1024 == 0 else str(t)
 
     for block in (results["block"], None):
-        headers = ["policy", *(f"T = {k(t)}" for t in lengths), "spread of extra"]
+        headers = ["policy", *(f"T = {k(t)}" for t in lengths), "spread of extra (max - min) / min"]
         rows = []
         for policy in results["policies"]:
             cells, extras = [], []
@@ -224,6 +226,24 @@ def report(results: dict) -> str:
     return "\n".join(out)
 
 
+def merge_results(paths) -> dict:
+    """Saved runs (``--out``) merged into one: the first file's settings, every file's runs."""
+    merged = None
+    for path in paths:
+        with open(path) as f:
+            results = json.load(f)
+        if merged is None:
+            merged = results
+            continue
+        merged["runs"] += results["runs"]
+        merged["lengths"] = sorted(set(merged["lengths"]) | set(results["lengths"]))
+        merged["policies"] += [p for p in results["policies"] if p not in merged["policies"]]
+    covered = {(r["policy"], r["length"]) for r in merged["runs"] if r["block"] is None and "error" not in r}
+    merged["one_shot_estimates"] = {p: e for p, e in merged.get("one_shot_estimates", {}).items()
+                                    if (p, max(merged["lengths"])) not in covered}
+    return merged
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -233,14 +253,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--block", type=int, default=128, help="B, tokens per block")
     parser.add_argument("--no-one-shot", action="store_true", help="skip the B = None contrast")
     parser.add_argument("--one-shot-only", action="store_true", help="run only the B = None contrast")
-    parser.add_argument("--one-shot-max-tokens", type=int, default=4096,
+    parser.add_argument("--one-shot-max-tokens", type=int, default=8192,
                         help="longest prompt run with B = None for attention-based policies")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--repeats", type=int, default=1, help="runs per configuration (the median is shown)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     parser.add_argument("--quick", action="store_true", help="T = 256, 512, N = 128, B = 32")
     parser.add_argument("--out", default=None, help="write the raw figures to this JSON file")
+    parser.add_argument("--report", nargs="+", default=None, metavar="FILE.json",
+                        help="print the tables of saved runs (from --out, merged) and exit")
     args = parser.parse_args(argv)
+    if args.report:
+        results = merge_results(args.report)
+        print(report(results))
+        return results
     if args.child is not None:
         print(json.dumps(child(json.loads(args.child))))
         return {}

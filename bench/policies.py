@@ -27,12 +27,13 @@ on the same codes, for one query per KV group (Algorithm 1's per-token step, ``m
 and for a whole block (``m = g B``).
 
 Run ``python bench/policies.py`` (a few minutes), ``--quick`` for a short look, ``--out
-FILE.json`` to keep the raw figures.
+FILE.json`` to keep the raw figures, ``--report FILE.json`` to print a saved run's tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass, replace
 from functools import partial
@@ -322,6 +323,17 @@ def report(results: dict) -> str:
     return "\n".join(out)
 
 
+def load_results(path) -> dict:
+    """A saved run (``--out``) with its size keys turned back into integers."""
+    with open(path) as f:
+        results = json.load(f)
+    for p in results["policies"]:
+        p["sizes"] = {int(n): row for n, row in p["sizes"].items()}
+    for key in ("attention", "hamming"):
+        results[key] = {int(n): row for n, row in results[key].items()}
+    return results
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
@@ -338,7 +350,13 @@ def main(argv=None) -> dict:
                         help="skip pairwise KeyDiff where its n x n temporaries would exceed this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the raw figures to this JSON file")
+    parser.add_argument("--report", default=None, metavar="FILE.json",
+                        help="print the tables of a saved run (from --out) and exit")
     args = parser.parse_args(argv)
+    if args.report:
+        results = load_results(args.report)
+        print(report(results))
+        return results
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     if args.quick:
         args.repeats = min(args.repeats, 3)
