@@ -312,7 +312,7 @@ def report(results: dict) -> str:
             rst_table(headers, rows), ""]
 
     ham = results["hamming"]
-    labels = list(next(iter(ham.values())))
+    labels = sorted(next(iter(ham.values())))  # the order a saved (key-sorted) JSON has
     headers = ["n", *(f"{lab}: packed / unpacked (ms), ratio" for lab in labels)]
     rows = []
     for n, r in ham.items():

@@ -94,3 +94,38 @@ def test_median_time_calls_the_function_and_is_positive(harness):
     assert seconds >= 0.0 and len(calls) >= 4  # a warm-up call, then at least one per sample
     with pytest.raises(ValueError):
         harness.median_time(lambda: None, repeats=0)
+
+
+def _load_script(name):
+    import sys
+
+    sys.path.insert(0, str(BENCH))  # the scripts import harness as a sibling module
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+def test_one_shot_estimate_is_exact_on_a_quadratic():
+    memory = _load_script("memory")
+    points = {2048: 5.0 + 3.0 * 2048**2, 4096: 5.0 + 3.0 * 4096**2}
+    assert math.isclose(memory.one_shot_estimate(points, 8192), 5.0 + 3.0 * 8192**2, rel_tol=1e-12)
+    assert memory.one_shot_estimate({2048: 1.0}, 8192) is None
+
+
+def test_policy_benchmark_runs_every_policy_on_a_small_cache(tmp_path, capsys):
+    # A smoke run (n = 256, one sample): the script must keep working as policies evolve.
+    policies = _load_script("policies")
+    out = tmp_path / "run.json"
+    results = policies.main(["--sizes", "256", "--repeats", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    for label, _, _ in policies.POLICIES:
+        assert label in printed
+        row = next(p for p in results["policies"] if p["label"] == label)["sizes"][256]
+        assert row["peak_extra_bytes"] > 0 and row["seconds"]["total"] > 0
+    again = policies.load_results(out)
+    assert policies.report(again) == policies.report(results)
