@@ -43,7 +43,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -510,8 +510,3 @@ def grid_records(experiment: Experiment, settings: Settings, out) -> list[dict]:
     by_key = {r["key"]: r for r in read_records(Path(out) / f"{experiment.name}.jsonl")}
     keys = dict.fromkeys(cell_key(p) for p in experiment.cells(settings))
     return [by_key[k] for k in keys if k in by_key]
-
-
-def with_settings(settings: Settings, **changes) -> Settings:
-    """A copy of ``settings`` with some fields changed."""
-    return replace(settings, **changes)
