@@ -15,6 +15,7 @@ import numpy as np
 from . import __version__, policies
 from .engine import Engine
 from .experiments.cli import add_experiment_command
+from .formatting import format_ranges
 from .generation import add_generate_command
 from .oracle.cli import add_golden_command
 
@@ -37,20 +38,6 @@ def parse_params(items: list[str] | None) -> dict:
         except (ValueError, SyntaxError):
             params[key] = raw
     return params
-
-
-def format_ranges(positions: np.ndarray) -> str:
-    """Compress sorted positions into ``"0-3,120-135"`` style ranges."""
-    if len(positions) == 0:
-        return "-"
-    parts, start, prev = [], int(positions[0]), int(positions[0])
-    for p in map(int, positions[1:]):
-        if p != prev + 1:
-            parts.append(f"{start}-{prev}" if prev > start else str(start))
-            start = p
-        prev = p
-    parts.append(f"{start}-{prev}" if prev > start else str(start))
-    return ",".join(parts)
 
 
 def _policy_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from refkv.cli import format_ranges, main, parse_params
+from refkv.cli import main, parse_params
+from refkv.formatting import format_ranges
 
 
 def test_run_prints_kept_positions_peak_and_tokens(capsys):

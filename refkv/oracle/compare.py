@@ -441,7 +441,7 @@ def compare_end_to_end(candidate: dict, reference: dict, manifest: dict, *, tole
 
 
 def _ranges(positions) -> str:
-    from ..cli import format_ranges
+    from ..formatting import format_ranges
 
     return format_ranges(np.asarray(positions))
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..cache import FieldSpec
 from ..model.config import ModelConfig
+from ..validation import check_int  # re-exported: policies import it from here
 
 __all__ = [
     "SIGNALS",
@@ -281,13 +282,3 @@ def get(name: str, **params) -> Policy:
 def available() -> list[str]:
     """Names of all registered policies, sorted."""
     return sorted(_REGISTRY)
-
-
-def check_int(name: str, value, low: int, high: int | None = None) -> int:
-    """Validate an integer parameter; the ValueError names it and the allowed range."""
-    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-    if not ok or value < low or (high is not None and value > high):
-        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
-    return int(value)
-

@@ -92,7 +92,7 @@ def assert_scores_close(actual, desired, *, rtol: float = 1e-7, atol: float = 0.
 
 
 def _ranges(values) -> str:
-    from ..cli import format_ranges
+    from ..formatting import format_ranges
 
     return format_ranges(np.sort(np.asarray(values)))
 

@@ -1,0 +1,86 @@
+"""The one place where parameter checks live.
+
+Every public entry point (policies, engine, loaders, oracle, experiments, CLI) validates
+its arguments with these helpers, so that a bad value always gets the same kind of
+message: one line, naming the parameter and the range it may take, as a ``ValueError``.
+The CLI turns that ValueError into ``error: ...`` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["check_choice", "check_float", "check_int"]
+
+
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    """Validate an integer parameter and return it as a Python ``int``.
+
+    Parameters
+    ----------
+    name : str
+        The parameter's name, as the user wrote it; the error message starts with it.
+    value : object
+        The value to check. ``bool`` is refused although it is an ``int`` subclass.
+    low, high : int
+        Inclusive bounds; ``high=None`` means no upper bound.
+
+    Raises
+    ------
+    ValueError
+        ``"{name} must be an integer >= {low}, got {value!r}"`` (or ``in [low, high]``).
+    """
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if not ok or value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+    return int(value)
+
+
+def check_float(name: str, value, low: float | None = None, high: float | None = None, *,
+                low_open: bool = False, high_open: bool = False) -> float:
+    """Validate a finite real parameter and return it as a Python ``float``.
+
+    NaN and infinities are always refused: no parameter of refkv has a meaning for them,
+    and accepting them silently is how a tolerance of ``inf`` would make every check pass.
+
+    Parameters
+    ----------
+    name : str
+        The parameter's name for the message.
+    value : object
+        An ``int``, ``float`` or NumPy real scalar (``bool`` is refused).
+    low, high : float or None
+        Bounds; ``None`` leaves that side unbounded.
+    low_open, high_open : bool
+        Exclude the bound itself (``(low, high]`` etc.).
+    """
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if ok:
+        ok = math.isfinite(float(value))
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        left = "(" if low_open else "["
+        right = ")" if high_open else "]"
+        lo = "-inf" if low is None else f"{low:g}"
+        hi = "inf" if high is None else f"{high:g}"
+        if low is None:
+            left = "("
+        if high is None:
+            right = ")"
+        raise ValueError(f"{name} must be a finite number in {left}{lo}, {hi}{right}, got {value!r}")
+    return float(value)
+
+
+def check_choice(name: str, value, choices) -> object:
+    """Validate that ``value`` is one of ``choices`` (compared with ``==``)."""
+    choices = tuple(choices)
+    if value not in choices:
+        listed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be one of {listed}, got {value!r}")
+    return value
