@@ -1,14 +1,16 @@
-"""The ``refkv`` command (also ``python -m refkv``).
+"""The ``refkv`` command (also ``python -m refkv``): the top layer.
 
-Subcommands are added by small ``add_*`` functions so each feature keeps its own
-command next to its code; :func:`build_parser` lists them.
+Subcommands are added by small ``add_*`` functions; :func:`build_parser` lists them. The
+library never imports this module (a test checks it): commands call the library, and
+what the library needs (policy specs, text formatting) lives in leaf modules,
+:mod:`refkv.policies.spec` and :mod:`refkv.formatting`.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
+import time
 
 import numpy as np
 
@@ -16,28 +18,11 @@ from . import __version__, policies
 from .engine import Engine
 from .experiments.cli import add_experiment_command
 from .formatting import format_ranges
-from .generation import add_generate_command
+from .generation import PROGRESS_MIN_TOKENS, generate_text
 from .oracle.cli import add_golden_command
+from .policies.spec import parse_params
 
-__all__ = ["build_parser", "format_ranges", "main", "parse_params"]
-
-
-def parse_params(items: list[str] | None) -> dict:
-    """Parse ``["key=value", ...]`` into a dict; values are Python literals or strings.
-
-    ``ast.literal_eval`` only reads literals (numbers, strings, tuples, booleans, None),
-    so nothing is executed.
-    """
-    params = {}
-    for item in items or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise ValueError(f"--param must look like name=value, got {item!r}")
-        try:
-            params[key] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            params[key] = raw
-    return params
+__all__ = ["build_parser", "format_ranges", "main"]
 
 
 def _policy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +81,60 @@ def _cmd_run(args) -> int:
     print(f"peak cache size: {s.peak_cache_tokens} tokens per head; evictions: {s.evictions}; "
           f"attention weights materialised: {s.attention_materialised} of {s.attention_calls} calls")
     print("generated:", " ".join(map(str, new)))
+    return 0
+
+
+def add_generate_command(sub) -> None:
+    """Register ``refkv generate`` on an argparse subparsers object."""
+    p = sub.add_parser("generate", help="generate text with the real model under a KV-cache policy",
+                       description="Greedy generation, streamed to stdout; statistics go to stderr.")
+    p.add_argument("prompt", help="the prompt text, or - to read it from stdin")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (default), 'tiny' (random, byte tokens), a .gguf file or a checkpoint directory")
+    _policy_arguments(p)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="generation limit (default 128)")
+    p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    p.add_argument("--dtype", choices=("float32", "float64"), default=None,
+                   help="default: float32 for trained models, float64 for tiny")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args) -> int:
+    from .model.loading import load_with_tokenizer
+
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    policy = make_policy(args)
+    start = time.perf_counter()
+    model, tokenizer = load_with_tokenizer(args.model, dtype=args.dtype)
+    load_seconds = time.perf_counter() - start
+    chat = not args.raw and tokenizer.has_chat_template
+    n_prompt = len(tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt))
+
+    def progress(done: int, total: int) -> None:
+        rate = done / max(time.perf_counter() - prefill_start, 1e-9)
+        print(f"\rprefill: {done}/{total} tokens ({rate:.0f} tokens/s)", end="", file=sys.stderr, flush=True)
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    long_prompt = n_prompt >= PROGRESS_MIN_TOKENS
+    prefill_start = time.perf_counter()
+    result = generate_text(model, tokenizer, prompt, policy=policy, budget=args.budget, block_size=args.block,
+                           max_new_tokens=args.max_new_tokens, chat=chat, on_text=show,
+                           progress=progress if long_prompt else None)
+    if long_prompt:
+        print(file=sys.stderr)
+    print(flush=True)
+    n_new = len(result.tokens)
+    s = result.engine.stats
+    print(f"[{model.config.name} {model.dtype}, loaded in {load_seconds:.1f} s; policy {policy.describe()}, "
+          f"budget {args.budget}, block {args.block}; prompt {n_prompt} tokens in {result.prefill_seconds:.2f} s; "
+          f"{n_new} generated in {result.decode_seconds:.2f} s"
+          f"{' (stop token)' if result.stopped else ' (limit)'}; peak cache {s.peak_cache_tokens} tokens per head]",
+          file=sys.stderr)
     return 0
 
 

@@ -22,7 +22,7 @@ the caches (each :class:`refkv.cache.LayerCache` counts ``next_position``), neve
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -157,7 +157,7 @@ class Engine:
         query_positions = np.arange(cache.next_position, cache.next_position + b, dtype=np.int64)
 
         if policy.evict_before_attention and budget is not None and len(cache) + b > budget:
-            self._evict(layer, self._view(layer, cache, q, query_positions, k, v, None), budget - b)
+            self._evict(layer, self._view(layer, cache, q, query_positions, k, v, None, keep=budget - b))
 
         cache.append(k, v)
         self.stats.peak_cache_tokens = max(self.stats.peak_cache_tokens, len(cache))
@@ -171,20 +171,21 @@ class Engine:
         for name, array in policy.observe(view).items():
             cache.set_field(name, array)
         if budget is not None and len(cache) > budget:
-            self._evict(layer, self._view(layer, cache, q, query_positions, k, v, weights), budget)
+            self._evict(layer, self._view(layer, cache, q, query_positions, k, v, weights))
 
         x = x + model.attn_out(layer, out)
         return x + model.mlp(layer, x)
 
-    def _view(self, layer, cache, q, query_positions, k, v, weights) -> View:
+    def _view(self, layer, cache, q, query_positions, k, v, weights, keep=None) -> View:
+        """The policy's view of ``layer`` now; ``keep`` defaults to the budget ``N``."""
         return View(layer=layer, n_layers=self.model.config.n_layers, keys=cache.keys, values=cache.values,
                     positions=cache.positions, fields=dict(cache.fields), queries=q,
                     query_positions=query_positions, block_keys=k, block_values=v, attention=weights,
-                    budget=self.budget)
+                    budget=self.budget, keep=keep, config=self.model.config)
 
-    def _evict(self, layer: int, view: View, keep: int) -> None:
-        """Shrink ``layer``'s cache to ``keep`` tokens per head with the policy's choice."""
-        kept = self.policy.keep_indices(replace(view, budget=keep), keep)
+    def _evict(self, layer: int, view: View) -> None:
+        """Shrink ``layer``'s cache to ``view.keep`` tokens per head with the policy's choice."""
+        kept = self.policy.keep_indices(view)  # (Hkv, view.keep)
         self.caches[layer].keep(kept)
         self.stats.evictions += 1
 

@@ -1,4 +1,4 @@
-"""Text generation with a KV-cache policy: :func:`generate_text` and ``refkv generate``.
+"""Text generation with a KV-cache policy: :func:`generate_text` (``refkv generate`` is in :mod:`refkv.cli`).
 
 The prompt is tokenized (inside the model's chat template unless ``raw``), processed
 in blocks of ``B`` under the policy and budget (:meth:`refkv.engine.Engine.prefill`),
@@ -11,20 +11,19 @@ Notes
 * Greedy decoding only: ``argmax`` of the logits, ties to the lowest id (NumPy's rule).
 * Stop tokens (EOS, ``<|endoftext|>``) end generation; they are kept in
   :attr:`Generation.tokens` but not in :attr:`Generation.text`.
-* The progress line goes to stderr only for prompts of at least
+* ``refkv generate`` writes a progress line to stderr only for prompts of at least
   :data:`PROGRESS_MIN_TOKENS` tokens, so short runs and pipes stay clean.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .engine import Engine
 
-__all__ = ["PROGRESS_MIN_TOKENS", "Generation", "add_generate_command", "generate_text"]
+__all__ = ["PROGRESS_MIN_TOKENS", "Generation", "generate_text"]
 
 #: Prompts at least this long get a progress line on stderr during prefill.
 PROGRESS_MIN_TOKENS = 256
@@ -116,61 +115,3 @@ def generate_text(model, tokenizer, prompt: str, *, policy="full", budget: int |
     return Generation(prompt_tokens=list(ids), tokens=new, text="".join(pieces),
                       stopped=bool(new) and new[-1] in stop_ids, prefill_seconds=middle - start,
                       decode_seconds=time.perf_counter() - middle, engine=engine)
-
-
-# -- the command ---------------------------------------------------------------------------
-def add_generate_command(sub) -> None:
-    """Register ``refkv generate`` on an argparse subparsers object."""
-    from .cli import _policy_arguments
-
-    p = sub.add_parser("generate", help="generate text with the real model under a KV-cache policy",
-                       description="Greedy generation, streamed to stdout; statistics go to stderr.")
-    p.add_argument("prompt", help="the prompt text, or - to read it from stdin")
-    p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (default), 'tiny' (random, byte tokens), a .gguf file or a checkpoint directory")
-    _policy_arguments(p)
-    p.add_argument("--max-new-tokens", type=int, default=128, help="generation limit (default 128)")
-    p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
-    p.add_argument("--dtype", choices=("float32", "float64"), default=None,
-                   help="default: float32 for trained models, float64 for tiny")
-    p.set_defaults(func=_cmd_generate)
-
-
-def _cmd_generate(args) -> int:
-    from .cli import make_policy
-    from .model.loading import load_with_tokenizer
-
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    policy = make_policy(args)
-    start = time.perf_counter()
-    model, tokenizer = load_with_tokenizer(args.model, dtype=args.dtype)
-    load_seconds = time.perf_counter() - start
-    chat = not args.raw and tokenizer.has_chat_template
-    n_prompt = len(tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt))
-
-    def progress(done: int, total: int) -> None:
-        rate = done / max(time.perf_counter() - prefill_start, 1e-9)
-        print(f"\rprefill: {done}/{total} tokens ({rate:.0f} tokens/s)", end="", file=sys.stderr, flush=True)
-
-    def show(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-
-    long_prompt = n_prompt >= PROGRESS_MIN_TOKENS
-    prefill_start = time.perf_counter()
-    result = generate_text(model, tokenizer, prompt, policy=policy, budget=args.budget, block_size=args.block,
-                           max_new_tokens=args.max_new_tokens, chat=chat, on_text=show,
-                           progress=progress if long_prompt else None)
-    if long_prompt:
-        print(file=sys.stderr)
-    print(flush=True)
-    n_new = len(result.tokens)
-    s = result.engine.stats
-    print(f"[{model.config.name} {model.dtype}, loaded in {load_seconds:.1f} s; policy {policy.describe()}, "
-          f"budget {args.budget}, block {args.block}; prompt {n_prompt} tokens in {result.prefill_seconds:.2f} s; "
-          f"{n_new} generated in {result.decode_seconds:.2f} s"
-          f"{' (stop token)' if result.stopped else ' (limit)'}; peak cache {s.peak_cache_tokens} tokens per head]",
-          file=sys.stderr)
-    return 0

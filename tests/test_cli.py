@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-from refkv.cli import main, parse_params
+from refkv.cli import main
 from refkv.formatting import format_ranges
+from refkv.policies.spec import parse_params
 
 
 def test_run_prints_kept_positions_peak_and_tokens(capsys):

@@ -2,7 +2,7 @@
 
 import json
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -30,7 +30,7 @@ def test_refkv_reproduces_every_committed_vector_from_the_file_alone(path):
         policy = case.policy()
         view = case.view()
         assert_case(case, scores=policy.score(view), protected=policy.protected(view),
-                    kept=policy.keep_indices(view, case.budget), strict_ties=True, check_dtype=True)
+                    kept=policy.keep_indices(replace(view, keep=case.budget)), strict_ties=True, check_dtype=True)
 
 
 def test_every_file_declares_its_flags_and_versions():
@@ -71,10 +71,10 @@ class _LastView:
     def __getattr__(self, name):
         return getattr(self.policy, name)
 
-    def keep_indices(self, view, budget):
+    def keep_indices(self, view):
         if view.layer == 0:
             self.view = view
-        return self.policy.keep_indices(view, budget)
+        return self.policy.keep_indices(view)
 
 
 @pytest.mark.parametrize("name", library_policies())
@@ -105,9 +105,9 @@ def test_replay_gives_the_engines_eviction_view(name, tiny64):
     tokens = _layer0_tokens(tiny64, prompt[:end], 4)
     view = replay(policy, tokens, block_size=4, budget=budget, layer=0, n_layers=tiny64.config.n_layers)
     assert np.array_equal(view.positions, spy.view.positions)
-    assert view.budget == spy.view.budget
+    assert (view.budget, view.keep) == (spy.view.budget, spy.view.keep)
     assert np.array_equal(policy.score(view), policy.score(spy.view), equal_nan=True)
-    assert np.array_equal(policy.keep_indices(view, view.budget), policy.keep_indices(spy.view, spy.view.budget))
+    assert np.array_equal(policy.keep_indices(view), policy.keep_indices(spy.view))
     for field, array in spy.view.fields.items():
         assert np.array_equal(view.fields[field], array, equal_nan=True), field
 
@@ -198,7 +198,7 @@ def test_encode_read_round_trip_rebuilds_the_view(tmp_path):
     assert np.array_equal(back.attention, view.attention) and back.attention.dtype == np.float32
     assert np.array_equal(back.positions, view.positions)
     assert np.isnan(back.keys).all()  # TOVA never reads keys, so they are not in the file
-    assert np.array_equal(p.keep_indices(back, 5), p.keep_indices(view, 5))
+    assert np.array_equal(p.keep_indices(replace(back, keep=5)), p.keep_indices(replace(view, keep=5)))
     assert str(case) == "tova-7" and "tova case 7" in case.label
 
 

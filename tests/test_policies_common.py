@@ -56,8 +56,8 @@ def spy_on(policy) -> list:
     records = []
     original = policy.keep_indices
 
-    def keep_indices(view, budget):
-        kept = original(view, budget)
+    def keep_indices(view):
+        kept = original(view)
         records.append((policy.protected(view), kept))
         return kept
 

@@ -64,7 +64,6 @@ from pathlib import Path
 import numpy as np
 
 from ..attention import attend, attention_weights
-from ..engine import Engine
 from ..policies import View
 from .common import (
     FAST_CAOTE,
@@ -75,7 +74,7 @@ from .common import (
     load_model,
     make_policy,
     mean_std,
-    policy_error,
+    prefill_or_skip,
     prose_tokens,
     write_csv,
 )
@@ -264,7 +263,7 @@ def _ranking(name, params, model, layer, cap, weights, half):
         policy.check(half, model.config)
         view = one_shot_view(policy, layer, model.config, cap, weights, half)
         scores = np.asarray(policy.score(view), dtype=np.float64)
-        return scores, policy.keep_indices(view, half)
+        return scores, policy.keep_indices(replace(view, keep=half))
     from ..policies import select
 
     return scores, select(scores, positions, half)
@@ -273,17 +272,11 @@ def _ranking(name, params, model, layer, cap, weights, half):
 def _run_output_error(params: dict) -> dict:
     model, _ = load_model(params["model"], params["dtype"])
     t, extra = params["length"], params["continuation"]
-    budget, block = params["budget"], params["block"]
-    reason = policy_error(params["policy"], budget, block, model.config)
-    if reason is not None:
-        return {"skipped": reason}
-    layers, _ = cached_capture(params["model"], params["dtype"], t + extra, params["segment"])
     tokens = prose_tokens(params["model"], params["dtype"], t + extra, params["segment"])[:t]
-    engine = Engine(model, make_policy(params["policy"]), budget)
-    try:
-        engine.prefill(tokens, block)
-    except ValueError as err:  # a block / budget combination the policy refuses mid-run
-        return {"skipped": str(err)}
+    engine, _, skipped = prefill_or_skip(params, model, tokens)
+    if skipped is not None:
+        return {"skipped": skipped}
+    layers, _ = cached_capture(params["model"], params["dtype"], t + extra, params["segment"])
     errors, lost = [], []
     for cap, cache in zip(layers, engine.caches):
         e, m = output_error(cap, cache.positions, t)

@@ -48,15 +48,14 @@ import numpy as np
 from scipy.stats import pearsonr, spearmanr
 
 from ..attention import attention_weights
-from ..engine import Engine
 from .common import (
     cached_capture,
     canonical_spec,
     default_policies,
     load_model,
-    make_policy,
     mean_std,
-    policy_error,
+    prefill_or_skip,
+    prose_tokens,
     write_csv,
 )
 from .runner import Experiment, Settings, register_experiment
@@ -230,18 +229,10 @@ def _run_cosine(params: dict) -> dict:
 
 def _run_retention(params: dict) -> dict:
     model, _ = load_model(params["model"], params["dtype"])
-    budget, block = params["budget"], params["block"]
-    reason = policy_error(params["policy"], budget, block, model.config)
-    if reason is not None:
-        return {"skipped": reason}
-    from .common import prose_tokens
-
     tokens = prose_tokens(params["model"], params["dtype"], params["length"], params["segment"])
-    engine = Engine(model, make_policy(params["policy"]), budget)
-    try:
-        engine.prefill(tokens, block)
-    except ValueError as err:  # a block / budget combination the policy refuses mid-run
-        return {"skipped": str(err)}
+    engine, _, skipped = prefill_or_skip(params, model, tokens)
+    if skipped is not None:
+        return {"skipped": skipped}
     volume, spread = [], []
     for cache in engine.caches:
         volume.append([log_volume(cache.keys[h]) for h in range(cache.n_kv_heads)])

@@ -67,12 +67,12 @@ class _Recorder:
     def __getattr__(self, name):
         return getattr(self._policy, name)
 
-    def keep_indices(self, view, budget):
+    def keep_indices(self, view):
         block = len(self._engine.trace.kept)
         key = (block, view.layer)
         if key in self._log:
             raise RuntimeError(f"two evictions in block {block}, layer {view.layer}")
-        kept = self._policy.keep_indices(view, budget)
+        kept = self._policy.keep_indices(view)
         self._log[key] = (view.positions.copy(), np.asarray(self._policy.score(view), dtype=np.float64),
                           np.asarray(self._policy.protected(view), dtype=bool), np.asarray(kept))
         return kept

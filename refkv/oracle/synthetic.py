@@ -150,10 +150,10 @@ def config_for(n_heads: int, n_kv_heads: int, d_head: int, n_layers: int = 1) ->
                        n_kv_heads=n_kv_heads, d_head=d_head, d_ff=16, name="synthetic")
 
 
-def _view(layer, n_layers, cache, q, q_pos, k, v, weights, budget) -> View:
+def _view(layer, n_layers, cache, q, q_pos, k, v, weights, budget, keep=None, config=None) -> View:
     return View(layer=layer, n_layers=n_layers, keys=cache.keys, values=cache.values, positions=cache.positions,
                 fields=dict(cache.fields), queries=q, query_positions=q_pos, block_keys=k, block_values=v,
-                attention=weights, budget=budget)
+                attention=weights, budget=budget, keep=keep, config=config)
 
 
 def replay(policy: Policy, tokens: Tokens, *, block_size: int, budget: int, layer: int = 0,
@@ -176,8 +176,8 @@ def replay(policy: Policy, tokens: Tokens, *, block_size: int, budget: int, laye
     -------
     View
         The view the engine passes to ``policy.keep_indices`` at the last block, with
-        ``view.budget`` the number of tokens that eviction keeps (``N``, or ``N - B``
-        before attention). If the last block needs no eviction the view is the one the
+        ``view.budget = N`` and ``view.keep`` the number of tokens that eviction keeps
+        (``N``, or ``N - B`` before attention). If the last block needs no eviction the view is the one the
         engine would have used had it evicted.
 
     Raises
@@ -209,18 +209,18 @@ def replay(policy: Policy, tokens: Tokens, *, block_size: int, budget: int, laye
         q_pos = np.arange(start, stop, dtype=np.int64)
         b = stop - start
         if before and (last or len(cache) + b > budget):
-            view = _view(layer, n_layers, cache, q, q_pos, k, v, None, budget - b)
+            view = _view(layer, n_layers, cache, q, q_pos, k, v, None, budget, keep=budget - b, config=config)
             if last:
                 return view
-            cache.keep(policy.keep_indices(view, budget - b))
+            cache.keep(policy.keep_indices(view))
         cache.append(k, v)
         _, weights = attend(q, cache.keys, cache.values, q_pos, cache.positions, return_weights=want_weights)
-        observed = _view(layer, n_layers, cache, q, q_pos, k, v, weights, budget)
+        observed = _view(layer, n_layers, cache, q, q_pos, k, v, weights, budget, config=config)
         for name, array in policy.observe(observed).items():
             cache.set_field(name, array)
-        view = _view(layer, n_layers, cache, q, q_pos, k, v, weights, budget)
+        view = _view(layer, n_layers, cache, q, q_pos, k, v, weights, budget, config=config)
         if last:
             return view
         if len(cache) > budget:
-            cache.keep(policy.keep_indices(view, budget))
+            cache.keep(policy.keep_indices(view))
     raise ValueError("tokens must hold at least one token")

@@ -26,13 +26,9 @@ import numpy as np
 
 from ..cache import FieldSpec
 from ..model.config import ModelConfig
-from .base import Policy, View, policy_class, register
+from .base import Policy, View, available, policy_class, register
 
-__all__ = ["SIGNED_POLICIES", "Caote", "caote_scores", "fast_caote_scores", "normalise"]
-
-#: Registered policies known to return negative scores, refused as CAOTE bases at
-#: construction (a policy class can say so itself with ``nonnegative_scores = False``).
-SIGNED_POLICIES = frozenset({"keydiff", "knorm", "hashevict", "mat"})
+__all__ = ["Caote", "caote_scores", "fast_caote_scores", "normalise"]
 
 
 def normalise(base_scores: np.ndarray) -> np.ndarray:
@@ -141,10 +137,10 @@ def _build_base(base, base_params) -> Policy:
         raise ValueError(f"base must be a policy name or a Policy, got {type(base).__name__}")
     if isinstance(policy, Caote):
         raise ValueError("base must not itself be caote (its scores can be +inf, which cannot be normalised)")
-    declared = getattr(type(policy), "nonnegative_scores", None)
-    if declared is False or (declared is None and policy.name in SIGNED_POLICIES):
-        raise ValueError(f"base={policy.name!r} has signed scores; CAOTE needs non-negative base scores "
-                         "(e.g. h2o, tova, snapkv, scissorhands)")
+    if not policy.nonnegative_scores:
+        allowed = ", ".join(name for name in available() if name != "caote" and policy_class(name).nonnegative_scores)
+        raise ValueError(f"base={policy.name!r} has signed scores (it does not declare nonnegative_scores); "
+                         f"CAOTE needs non-negative base scores: one of {allowed}")
     return policy
 
 
@@ -162,9 +158,9 @@ class Caote(Policy):
     ----------
     base : str or Policy, default "h2o"
         The base policy: a registered name (built with ``base_params``) or a policy
-        object. Its scores must be non-negative: bases known to be signed (KeyDiff, L2/Knorm,
-        HashEvict, MAT, or any class with ``nonnegative_scores = False``) are refused
-        here, and negative scores met at run time raise :class:`ValueError`.
+        object. Its class must declare ``nonnegative_scores = True`` (H2O, TOVA, SnapKV,
+        Scissorhands, sink, full); signed ones (KeyDiff, L2/Knorm, HashEvict, MAT) are
+        refused here, and negative scores met at run time raise :class:`ValueError`.
     fast : bool, default False
         FastCAOTE (Eq. 22): the mean of the values instead of :math:`V a`.
     base_params : dict, optional
@@ -190,6 +186,11 @@ class Caote(Policy):
     name = "caote"
     summary = "CAOTE/FastCAOTE meta-policy: attention-output error of evicting each token, over a base policy"
     paper = "CAOTE, Eqs. 8, 19-22 (base: h2o by default; fast=True for FastCAOTE)"
+    label = "CAOTE"
+    table_order = 100
+    experiment_specs = ("caote:base=h2o", "caote:base=tova", "caote:base=snapkv")
+    variants = ({"fast": True}, {"base": "tova"},
+                {"base": "snapkv", "base_params": {"window": 4, "kernel": 3}})
     needs = frozenset({"attention", "values"})
     nonnegative_scores = True
 

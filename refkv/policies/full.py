@@ -24,6 +24,9 @@ class Full(Policy):
     name = "full"
     summary = "never evict; the no-eviction baseline"
     paper = "-"
+    label = "no eviction"
+    evicts = False
+    nonnegative_scores = True
 
     def score(self, view: View) -> np.ndarray:
         return np.zeros(view.positions.shape)

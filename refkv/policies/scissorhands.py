@@ -120,6 +120,9 @@ class Scissorhands(Policy):
     name = "scissorhands"
     summary = "Scissorhands: count of steps with attention >= 1/n over the last m; first g, last r kept"
     paper = "Liu et al. 2023, Scissorhands; m = 400, g = 4, r = 10"
+    label = "Scissorhands"
+    table_order = 50
+    variants = ({"history": 6, "sink": 1, "recent": 2},)
     needs = frozenset({"attention"})
     #: Scores are counts, >= 0 (CAOTE may wrap this policy).
     nonnegative_scores = True
