@@ -152,6 +152,10 @@ class Policy:
         Subset of :data:`SIGNALS`.
     label : str
         How tables and plots name it (default: ``name``).
+    citation, score_rule, protects, implements : str
+        One line each for the generated policy tables (:mod:`refkv.policies.catalog`): the
+        paper in short, what the score is, what is protected (reST), and what of the paper
+        is implemented (the README).
     evict_before_attention : bool
         If true, the engine evicts from the cache *before* the block attends, down to
         ``N - B`` tokens (``view.keep``), so the block attends to at most ``N``
@@ -180,6 +184,10 @@ class Policy:
     summary: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     label: ClassVar[str] = ""
+    citation: ClassVar[str] = ""
+    score_rule: ClassVar[str] = ""
+    protects: ClassVar[str] = "--"
+    implements: ClassVar[str] = ""
     needs: ClassVar[frozenset] = frozenset()
     evict_before_attention: ClassVar[bool] = False
     nonnegative_scores: ClassVar[bool] = False

@@ -187,6 +187,10 @@ class Caote(Policy):
     summary = "CAOTE/FastCAOTE meta-policy: attention-output error of evicting each token, over a base policy"
     paper = "CAOTE, Eqs. 8, 19-22 (base: h2o by default; fast=True for FastCAOTE)"
     label = "CAOTE"
+    citation = "CAOTE (Goel et al. 2025), meta-policy"
+    score_rule = "attention-output change if evicted, Eq. 8, over a base's scores"
+    protects = "the base's"
+    implements = "CAOTE: Eqs. 8, 19-22 as a meta-policy over any non-negative score; FastCAOTE"
     table_order = 100
     experiment_specs = ("caote:base=h2o", "caote:base=tova", "caote:base=snapkv")
     variants = ({"fast": True}, {"base": "tova"},

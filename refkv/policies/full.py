@@ -25,6 +25,11 @@ class Full(Policy):
     summary = "never evict; the no-eviction baseline"
     paper = "-"
     label = "no eviction"
+    citation = "no eviction (baseline)"
+    score_rule = "--"
+    protects = "everything"
+    implements = "no eviction (baseline)"
+    table_order = 0
     evicts = False
     nonnegative_scores = True
 

@@ -86,6 +86,10 @@ class H2O(Policy):
     summary = "H2O: accumulated attention (heavy hitters) + last r tokens (r = N // 2)"
     paper = "Zhang et al. 2023, H2O; phi = A_prev + A^T 1 (KeyDiff App. A.1)"
     label = "H2O"
+    citation = "H2O (Zhang et al. 2023)"
+    score_rule = "attention accumulated over all queries so far"
+    protects = "last :math:`N/2`"
+    implements = "H2O (Zhang et al. 2023): accumulated attention + recent window"
     table_order = 30
     variants = ({"recent": 2},)
     needs = frozenset({"attention"})

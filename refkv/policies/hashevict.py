@@ -109,6 +109,11 @@ class HashEvict(Policy):
     summary = "HashEvict: SimHash Hamming distance of query and keys, evict before attention; attention-free"
     paper = "Liu et al. 2024, HashEvict, Algorithm 1, Eqs. 2-6; c = 16, first 4 + last 10 kept"
     label = "HashEvict"
+    citation = "HashEvict (Liu et al. 2024)"
+    score_rule = ":math:`-` Hamming distance of SimHash codes of query and key, :math:`c = 16`"
+    protects = "first 4, last 10"
+    implements = ("HashEvict: Algorithm 1, Eqs. 2-6, SimHash codes as cache state (refkv/lsh.py), eviction before "
+                  "attention; query or key hashing")
     table_order = 80
     variants = ({"hash": "key"}, {"block_query": "last"})
     needs = frozenset({"keys", "queries", "positions"})

@@ -202,6 +202,11 @@ class KeyDiff(Policy):
     summary = "KeyDiff: keep keys least similar (cosine) to the mean unit key; attention-free"
     paper = "Park et al. 2025, KeyDiff, Eqs. 7-8, Tables 2, 3, 11; eps = 1e-8 (App. A.2.1)"
     label = "KeyDiff"
+    citation = "KeyDiff (Park et al. 2025)"
+    score_rule = r":math:`-\cos(k_i, \text{mean unit key})`, Eq. 8"
+    protects = "--"
+    implements = ("KeyDiff (Park et al. 2025): Eqs. 7-8, anchor and metric ablations (Tables 2, 3), recent reserve "
+                  "(Table 11)")
     table_order = 70
     variants = ({"anchor": "pairwise"}, {"anchor": "mean"}, {"anchor": "median"}, {"metric": "dot"},
                 {"metric": "euclidean"}, {"reserve": 0.25})

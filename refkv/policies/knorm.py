@@ -64,6 +64,10 @@ class Knorm(Policy):
     summary = "L2 norm: keep the keys of lowest L2 norm; attention-free"
     paper = "Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"
     label = "L2 norm (knorm)"
+    citation = "L2 norm (Devoto et al. 2024)"
+    score_rule = r":math:`-\lVert k_i\rVert`"
+    protects = "--"
+    implements = "L2 norm (Devoto et al. 2024), optional skipped layers"
     table_order = 60
     variants = ({"skip_layers": (0, 3)},)
     needs = frozenset({"keys", "positions"})
