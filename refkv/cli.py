@@ -22,7 +22,7 @@ from .generation import PROGRESS_MIN_TOKENS, generate_text
 from .oracle.cli import add_golden_command
 from .policies.spec import parse_params
 
-__all__ = ["build_parser", "format_ranges", "main"]
+__all__ = ["build_parser", "main"]
 
 
 def _policy_arguments(parser: argparse.ArgumentParser) -> None:
