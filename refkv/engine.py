@@ -31,6 +31,7 @@ from .cache import LayerCache
 from .model.decoder import Model
 from .policies import Policy, View
 from .policies import get as get_policy
+from .validation import check_int
 
 __all__ = ["Engine", "EngineStats", "blocks", "generate", "prefill"]
 
@@ -100,9 +101,7 @@ class Engine:
         if not isinstance(policy, Policy):
             raise ValueError(f"policy must be a Policy or a registered name, got {type(policy).__name__}")
         if budget is not None:
-            if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
-                raise ValueError(f"budget must be an integer >= 1 or None, got {budget!r}")
-            budget = int(budget)
+            budget = check_int("budget", budget, 1)
             policy.check(budget, model.config)
         self.model = model
         self.policy = policy
@@ -226,9 +225,7 @@ class Engine:
         on_token : callable, optional
             Called with each new id as soon as it is chosen (streaming).
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-                or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens, 0)
         eos = set(int(e) for e in eos)
         generated: list[int] = []
         for step in range(max_new_tokens):
@@ -246,8 +243,7 @@ def blocks(tokens: np.ndarray, block_size: int | None) -> list[np.ndarray]:
     """Split ``tokens`` into consecutive blocks of ``block_size`` (the last may be shorter)."""
     if block_size is None:
         return [tokens]
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1 or None, got {block_size!r}")
+    check_int("block_size", block_size, 1)
     return [tokens[i:i + block_size] for i in range(0, len(tokens), block_size)]
 
 

@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from ..engine import Engine
+from ..validation import check_float, check_int
 from .common import canonical_spec, default_policies, load_model, mean_std, prefill_or_skip, write_csv
 from .runner import Experiment, Settings, register_experiment
 
@@ -118,10 +119,8 @@ def build_prompt(tokenizer, length: int, depth: float, key: int, *, template: st
     seed : int
         Seed of the varied filler.
     """
-    if isinstance(length, bool) or not isinstance(length, int) or length < 64:
-        raise ValueError(f"length must be an integer >= 64, got {length!r}")
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    check_int("length", length, 64)
+    check_float("depth", depth, 0.0, 1.0)
     if not 10000 <= key <= 99999:
         raise ValueError(f"key must have five digits, got {key!r}")
     if needle not in NEEDLES:
