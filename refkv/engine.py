@@ -151,18 +151,18 @@ class Engine:
 
     def _layer(self, layer: int, x: np.ndarray, rope) -> np.ndarray:
         model, policy, cache, budget = self.model, self.policy, self.caches[layer], self.budget
-        q, k, v = model.qkv(layer, x, rope)
+        q, k, v = model.qkv(layer, x, rope)  # x (B, d_model) -> q (H, B, d), k, v (Hkv, B, d)
         b = q.shape[1]
         query_positions = np.arange(cache.next_position, cache.next_position + b, dtype=np.int64)
 
         if policy.evict_before_attention and budget is not None and len(cache) + b > budget:
             self._evict(layer, self._view(layer, cache, q, query_positions, k, v, None, keep=budget - b))
 
-        cache.append(k, v)
+        cache.append(k, v)  # cache (Hkv, n, d) -> (Hkv, n + B, d)
         self.stats.peak_cache_tokens = max(self.stats.peak_cache_tokens, len(cache))
         want_weights = "attention" in policy.needs
         out, weights = attend(q, cache.keys, cache.values, query_positions, cache.positions,
-                              return_weights=want_weights, key_chunk=self.key_chunk)
+                              return_weights=want_weights, key_chunk=self.key_chunk)  # (H, B, d), (Hkv, g, B, n)
         self.stats.attention_calls += 1
         self.stats.attention_materialised += weights is not None
 
@@ -172,8 +172,8 @@ class Engine:
         if budget is not None and len(cache) > budget:
             self._evict(layer, self._view(layer, cache, q, query_positions, k, v, weights))
 
-        x = x + model.attn_out(layer, out)
-        return x + model.mlp(layer, x)
+        x = x + model.attn_out(layer, out)  # (H, B, d) -> (B, d_model)
+        return x + model.mlp(layer, x)  # (B, d_model)
 
     def _view(self, layer, cache, q, query_positions, k, v, weights, keep=None) -> View:
         """The policy's view of ``layer`` now; ``keep`` defaults to the budget ``N``."""
@@ -185,7 +185,7 @@ class Engine:
     def _evict(self, layer: int, view: View) -> None:
         """Shrink ``layer``'s cache to ``view.keep`` tokens per head with the policy's choice."""
         kept = self.policy.keep_indices(view)  # (Hkv, view.keep)
-        self.caches[layer].keep(kept)
+        self.caches[layer].keep(kept)  # (Hkv, n, d) -> (Hkv, view.keep, d)
         self.stats.evictions += 1
 
     def prefill(self, tokens, block_size: int | None = None, *, all_logits: bool = False,

@@ -44,9 +44,12 @@ __all__ = [
     "dense_capture",
     "evicting_policies",
     "format_spec_label",
+    "grid_axes",
+    "layer_attention",
     "load_model",
     "make_policy",
     "parse_spec",
+    "policy_cells",
     "policy_error",
     "prefill_or_skip",
     "prose_tokens",
@@ -216,6 +219,42 @@ def cached_capture(model_name: str, dtype: str, length: int, segment: int):
         _CAPTURES.clear()
         _CAPTURES[key] = dense_capture(model, prose_tokens(model_name, dtype, length, segment))
     return _CAPTURES[key]
+
+
+def layer_attention(params: dict):
+    """A cell's model and, layer by layer, its dense capture and causal attention weights.
+
+    Reads ``params["model"]``, ``"dtype"``, ``"length"`` (``T``) and ``"segment"``. Returns
+    ``(model, layers)`` where ``layers`` yields ``(layer, capture, weights)`` with ``weights``
+    the (Hkv, g, T, T) attention of every query over the prompt, formed one layer at a time.
+    """
+    from ..attention import attention_weights
+
+    model, _ = load_model(params["model"], params["dtype"])
+    captures, _ = cached_capture(params["model"], params["dtype"], params["length"], params["segment"])
+    positions = np.arange(params["length"], dtype=np.int64)  # (T,)
+    kv_positions = np.broadcast_to(positions, (model.config.n_kv_heads, len(positions)))  # (Hkv, T)
+
+    def each():
+        for layer, cap in enumerate(captures):
+            yield layer, cap, attention_weights(cap.q, cap.k, positions, kv_positions)  # (Hkv, g, T, T)
+
+    return model, each()
+
+
+# -- grids ---------------------------------------------------------------------------------
+def grid_axes(settings, policies, budgets, blocks) -> tuple[list[str], list, list]:
+    """The grid's policies (canonical specs), budgets and block sizes: the user's settings
+    where given, else these defaults."""
+    return ([canonical_spec(p) for p in (settings.policies or policies)], list(settings.budgets or budgets),
+            list(settings.blocks or blocks))
+
+
+def policy_cells(base: dict, policies, budgets, blocks) -> list[dict]:
+    """One cell per evicting policy x budget x block size (``full`` left out), each ``base`` plus
+    ``policy``, ``budget`` and ``block``."""
+    return [{**base, "policy": policy, "budget": budget, "block": block}
+            for policy in policies if policy != "full" for budget in budgets for block in blocks]
 
 
 # -- tables --------------------------------------------------------------------------------

@@ -47,13 +47,14 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import pearsonr, spearmanr
 
-from ..attention import attention_weights
 from .common import (
     cached_capture,
-    canonical_spec,
     default_policies,
+    grid_axes,
+    layer_attention,
     load_model,
     mean_std,
+    policy_cells,
     prefill_or_skip,
     prose_tokens,
     write_csv,
@@ -158,22 +159,15 @@ def cells(settings: Settings) -> list[dict]:
         policies, budgets, blocks, projections = default_policies(), [256], [128], 4
         if not real:
             ret_length, budgets = 512, [128]
-    policies = [canonical_spec(p) for p in (settings.policies or policies)]
-    budgets = list(settings.budgets or budgets)
-    blocks = list(settings.blocks or blocks)
+    policies, budgets, blocks = grid_axes(settings, policies, budgets, blocks)
     out = []
     for segment in segments:
         out.append({**base, "kind": "cosine", "length": dense_length, "segment": segment})
         out.append({**base, "kind": "hamming", "length": dense_length, "segment": segment, "bits": list(BITS),
                     "projections": projections})
     for segment in segments[:2]:
-        for policy in policies:
-            if policy == "full":
-                continue
-            for budget in budgets:
-                for block in blocks:
-                    out.append({**base, "kind": "retention", "length": ret_length, "segment": segment,
-                                "policy": policy, "budget": budget, "block": block})
+        out += policy_cells({**base, "kind": "retention", "length": ret_length, "segment": segment},
+                            policies, budgets, blocks)
     return out
 
 
@@ -202,16 +196,12 @@ def run_cell(params: dict) -> dict:
 
 
 def _run_cosine(params: dict) -> dict:
-    model, _ = load_model(params["model"], params["dtype"])
-    layers, _ = cached_capture(params["model"], params["dtype"], params["length"], params["segment"])
-    t = params["length"]
-    positions = np.arange(t, dtype=np.int64)
-    kv_positions = np.broadcast_to(positions, (model.config.n_kv_heads, t))
+    model, layers = layer_attention(params)
     pairwise, anchor, low_norm = [], [], []
     plot_layer, plot_head = _plot_head(model.config)
     picture = None
-    for layer, cap in enumerate(layers):
-        received = _received_visible(attention_weights(cap.q, cap.k, positions, kv_positions).mean(axis=1))
+    for layer, cap, weights in layers:
+        received = _received_visible(weights.mean(axis=1))  # (Hkv, T, T) -> (Hkv, T)
         neg_cos = -mean_pairwise_cosine(cap.k)
         unit = _unit(cap.k)
         anchor_score = -(unit @ _unit(unit.mean(axis=1))[:, :, None])[..., 0]
@@ -250,15 +240,10 @@ def _run_retention(params: dict) -> dict:
 
 
 def _run_hamming(params: dict) -> dict:
-    model, _ = load_model(params["model"], params["dtype"])
-    layers, _ = cached_capture(params["model"], params["dtype"], params["length"], params["segment"])
-    t = params["length"]
-    positions = np.arange(t, dtype=np.int64)
-    kv_positions = np.broadcast_to(positions, (model.config.n_kv_heads, t))
+    _, layers = layer_attention(params)
     seeds = range(params["seed"], params["seed"] + params["projections"])
     out = {str(bits): [] for bits in params["bits"]}
-    for cap in layers:
-        weights = attention_weights(cap.q, cap.k, positions, kv_positions)
+    for _, cap, weights in layers:
         for bits in params["bits"]:
             out[str(bits)].append(hamming_correlation(cap.q, cap.k, weights, bits, seeds).tolist())
     return {"pearson": out}

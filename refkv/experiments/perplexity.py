@@ -41,9 +41,9 @@ import numpy as np
 
 from .common import (
     FAST_CAOTE,
-    canonical_spec,
     default_policies,
     format_spec_label,
+    grid_axes,
     load_model,
     mean_std,
     prefill_or_skip,
@@ -78,9 +78,7 @@ def cells(settings: Settings) -> list[dict]:
         length, segments = (1024 if real else 512), (0, 1)
         policies, budgets, blocks_ = default_policies(FAST_CAOTE), [128, 256], [32]
     default_grid = not (settings.quick or settings.policies or settings.budgets or settings.blocks)
-    policies = [canonical_spec(p) for p in (settings.policies or policies)]
-    budgets = list(settings.budgets or budgets)
-    blocks_ = list(settings.blocks or blocks_)
+    policies, budgets, blocks_ = grid_axes(settings, policies, budgets, blocks_)
     out = []
     for segment in segments:
         base = {"model": model, "dtype": settings.dtype, "seed": settings.seed, "text": "pydoc_prose",
