@@ -126,8 +126,9 @@ def _reference(before=False):
     scores[2, 1, 0] = [5.0, 1.0, 3.0]
     arrays = {"kept": kept, "kept_count": counts, "candidates": cands, "candidate_count": cand_n,
               "scores": scores, "protected": np.zeros((3, 2, 1, 3), dtype=bool), "logits": np.array([0.5, -1.0])}
-    manifest = {"tolerance": {"scores": {"rtol": 0.0, "atol": 1e-9}, "logits": {"rtol": 0.0, "atol": 1e-9}},
-                "policy": {"evict_before_attention": before}}
+    # Own-scale tolerances: tol_i = rtol * max(|s_i|, median |s| of the decision) (atol is not used).
+    manifest = {"tolerance": {"scores": {"rtol": 1e-9, "atol": 0.0}, "logits": {"rtol": 1e-9, "atol": 0.0}},
+                "policy": {"evict_before_attention": before}, "dtype": "float64"}
     return arrays, manifest
 
 
@@ -160,8 +161,10 @@ def test_end_to_end_failure_names_block_layer_head_positions_and_scores():
     kept[2, 1, 0] = [0, 1]  # layer 1: 1.0 instead of 3.0
     r = compare_end_to_end(_candidate(ref, kept=kept), ref, man)
     assert not r.ok
+    # Layer 1's scores are (5, 1, 3), median 3: each tolerance is 1e-9 * max(|s|, 3) = 3e-9.
     assert r.failure == ("block 2, layer 1, head 0: candidate keeps position 1 (reference score 1) instead of "
-                         "position 2 (reference score 3); |difference| 2 > tolerance 1e-09")
+                         "position 2 (reference score 3); |difference| 2 > tolerance 6e-09 "
+                         "[float64 tolerance at the two scores' own scale]")
 
 
 def test_end_to_end_tie_makes_downstream_decisions_and_logits_unchecked():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from refkv import policies
+from refkv.oracle.tolerance import score_tolerance
 from refkv.testing import assert_case, assert_same_retention, assert_scores_close, load_cases
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -48,7 +49,7 @@ def test_assert_same_retention_returns_ties_and_explains_failures():
     assert str(err.value) == (
         "kept tokens differ from the reference\n"
         "head 0: candidate keeps position 8 (reference score 0) instead of position 0 (reference score 3); "
-        "|difference| 3 > tolerance 1e-09\n"
+        "|difference| 3 > tolerance 1e-09 [rtol=0, atol=1e-09]\n"
         "  head 0: candidate keeps positions 6,8\n"
         "  head 0: reference keeps positions 0,6\n"
         "  only the candidate keeps [8]; only the reference keeps [0]")
@@ -56,7 +57,7 @@ def test_assert_same_retention_returns_ties_and_explains_failures():
         assert_same_retention(np.array([[0, 1]]), np.array([[0, 2]]), scores, atol=1e-9, strict_ties=True)
 
 
-def test_load_cases_filters_and_assert_case_uses_each_case_tolerance():
+def test_load_cases_filters_and_assert_case_uses_the_dtype_derived_tolerance():
     cases = load_cases(GOLDEN, policy="keydiff", dtype="float32")
     assert cases and all(c.dtype == "float32" and c.policy_name == "keydiff" for c in cases)
     assert all("near-tie" in c.flags for c in load_cases(GOLDEN / "vectors" / "keydiff.json", flags=["near-tie"]))
@@ -67,10 +68,14 @@ def test_load_cases_filters_and_assert_case_uses_each_case_tolerance():
     assert knorm and all(c.params["skip_layers"] == [] for c in knorm)  # a tuple matches its JSON list
     case = cases[0]
     out = case.outputs
-    slack = case.tolerance["atol"] / 2
-    assert assert_case(case, scores=out["scores"] + slack, kept=out["kept"]) == []
-    with pytest.raises(AssertionError, match=r"^scores differ \(" + re.escape(case.label)):
-        assert_case(case, scores=out["scores"] + 3 * case.tolerance["atol"])
+    # Tolerances derive from the candidate's dtype (the case's own, float32, by default) at
+    # each score's own scale, not from the case's stored rtol/atol (issue 12 B).
+    tol = score_tolerance(case)
+    assert assert_case(case, scores=out["scores"] + tol / 2, kept=out["kept"]) == []
+    with pytest.raises(AssertionError, match=r"^scores differ \(" + re.escape(case.label) + r".*\nvalues differ"):
+        assert_case(case, scores=out["scores"] + 3 * tol)
+    # bfloat16 tolerances are wider by about 2**16 (the ratio of unit roundoffs).
+    assert assert_case(case, scores=out["scores"] + 3 * tol, kept=out["kept"], dtype="bfloat16") == []
     with pytest.raises(ValueError, match="at least one"):
         assert_case(case)
 
