@@ -16,7 +16,8 @@ The derivation is in ``docs/oracle/tolerances.rst``; in short:
   ``1 + eta`` (exact first-order bound for scores that are non-negative combinations of
   attention weights), and :data:`RANDOM_TRIALS` seeded random-sign perturbations of size
   ``eta`` (doubled, as random signs estimate a worst case from below).
-* ``tol_i = max(rounding, positive, 2 * random signs) + u |s_i| (the output's rounding)
+* ``tol_i = max(rounding, positive, 2 * random signs) + u |s_i| + tiny / 2`` (the
+  output's rounding, with the dtype's smallest subnormal ``tiny`` for underflow)
   + |s_i(float64) - s_i(reference)|`` (the reference's own rounding, for float32 cases).
 
 So the tolerance of a score is at the score's own scale (``|s_i|`` for an attention
@@ -37,6 +38,7 @@ from ..validation import check_choice
 __all__ = [
     "DTYPES",
     "RANDOM_TRIALS",
+    "SMALLEST_SUBNORMAL",
     "UNIT_ROUNDOFF",
     "backward_error",
     "check_dtype_name",
@@ -51,6 +53,9 @@ __all__ = [
 #: Unit roundoff ``u`` (half the machine epsilon) of each dtype a candidate may declare.
 UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 DTYPES = tuple(UNIT_ROUNDOFF)
+#: Smallest positive (subnormal) number of each dtype: rounding near zero has an absolute
+#: error of up to half of it (the standard model's underflow term).
+SMALLEST_SUBNORMAL = {"float64": 2.0 ** -1074, "float32": 2.0 ** -149, "bfloat16": 2.0 ** -133, "float16": 2.0 ** -24}
 #: Seeded random-sign perturbations per case (besides the rounding and the all-positive one).
 RANDOM_TRIALS = 4
 
@@ -209,7 +214,8 @@ def score_tolerance(case, dtype=None) -> np.ndarray:
         signed = np.maximum(signed, deviation(random_sign))
     with np.errstate(invalid="ignore"):
         own = np.where(finite, np.abs(base - ref), 0.0)
-        tol = np.maximum.reduce([rounded, positive, 2.0 * signed]) + u * np.where(finite, np.abs(ref), 0.0) + own
+        output = u * np.where(finite, np.abs(ref), 0.0) + 0.5 * SMALLEST_SUBNORMAL[name]
+        tol = np.maximum.reduce([rounded, positive, 2.0 * signed]) + output + own
     return np.where(np.isfinite(ref), tol, 0.0)
 
 
