@@ -96,3 +96,61 @@ def test_assertions_hide_their_frames_from_pytest_tracebacks(pytester):
     out = result.stdout.str()
     assert "test_hidden.py:5: AssertionError" in out and "test_hidden.py:8: AssertionError" in out
     assert "refkv/testing" not in out and "__tracebackhide__" not in out
+
+
+# -- array-likes: what kernels return -----------------------------------------------------------------
+class FakeTensor:
+    """Duck-typed like a torch bfloat16 tensor: np.asarray fails, .float().numpy() works."""
+
+    dtype = "fake.bfloat16"
+
+    def __init__(self, values, *, low=True):
+        self._values, self._low = np.asarray(values), low
+
+    def __array__(self, dtype=None, copy=None):
+        if self._low:
+            raise TypeError("Got unsupported ScalarType BFloat16")
+        return self._values if dtype is None else self._values.astype(dtype)
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def float(self):
+        return FakeTensor(self._values.astype(np.float32), low=False)
+
+    def numpy(self):
+        if self._low:
+            raise TypeError("Got unsupported ScalarType BFloat16")
+        return self._values
+
+
+def test_assertions_accept_lists_and_duck_typed_tensors_without_importing_their_library():
+    case = load_cases(GOLDEN, policy="keydiff", dtype="float32")[0]
+    out = case.outputs
+    assert assert_case(case, scores=out["scores"].tolist(), kept=out["kept"].tolist()) == []
+    assert assert_case(case, scores=FakeTensor(out["scores"]), kept=FakeTensor(out["kept"], low=False),
+                       dtype="bfloat16") == []
+    with pytest.raises(AssertionError, match="scores differ"):
+        assert_case(case, scores=FakeTensor(out["scores"] + 1.0), dtype="bfloat16")
+    assert_scores_close(FakeTensor([[1.0, 2.0]]), [[1.0, 2.0]])
+    with pytest.raises(TypeError, match="actual: cannot convert object to a NumPy array"):
+        assert_scores_close(object(), [[1.0]])
+
+
+@pytest.mark.slow  # importing torch takes several seconds
+def test_assertions_accept_torch_bfloat16_tensors():
+    torch = pytest.importorskip("torch")
+    case = load_cases(GOLDEN, policy="tova", dtype="float32")[0]
+    out = case.outputs
+    scores = torch.from_numpy(out["scores"]).to(torch.bfloat16)  # what a bf16 kernel returns
+    kept = torch.from_numpy(out["kept"])
+    with pytest.raises(TypeError):
+        np.asarray(scores)  # NumPy has no bfloat16: the reason for the conversion
+    assert assert_case(case, scores=scores, kept=kept, dtype="bfloat16") == []
+    with pytest.raises(AssertionError, match="scores differ"):
+        assert_case(case, scores=scores.float() * 1.5, dtype="bfloat16")
+    ties = assert_same_retention(kept, out["kept"], torch.from_numpy(out["scores"]))
+    assert ties == []

@@ -141,6 +141,8 @@ def compare_case(candidate: dict, reference, *, dtype=None, declare=None, tolera
         result.ties = ret.ties
         if strict_ties and ret.ties:
             result.messages.extend("kept (strict ties): " + t.describe() for t in ret.ties)
+    if factor != 1.0:
+        tolerance()  # an override is checked for meaning even where nothing differs
     if tol_cache:
         heads = [h for h in range(ref_scores.shape[0])
                  if tie_rule_meaningless(ref_scores[h], tol_cache[0][h], ~np.asarray(ref["protected"][h]))]
