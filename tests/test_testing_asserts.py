@@ -154,3 +154,20 @@ def test_assertions_accept_torch_bfloat16_tensors():
         assert_case(case, scores=scores.float() * 1.5, dtype="bfloat16")
     ties = assert_same_retention(kept, out["kept"], torch.from_numpy(out["scores"]))
     assert ties == []
+
+
+def test_the_one_shot_example_of_the_testing_page_runs():
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "oracle" / "testing.rst").read_text()
+    block = next(b for b in page.split(".. code-block:: python")[1:] if b.lstrip().startswith("# oneshot-example"))
+    body = []
+    for line in block.splitlines()[1:]:
+        if line and not line.startswith("   "):
+            break
+        body.append(line[3:])
+    code = textwrap.dedent("\n".join(body))
+    exec(compile(code, "testing.rst one-shot example", "exec"), {"__name__": "docs_example"})
+    # The example's kernel is right; the same loop with the group's max must fail.
+    wrong = code.replace("a[:, :, -1, :].mean(axis=1)", "a[:, :, -1, :].max(axis=1)")
+    assert wrong != code
+    with pytest.raises(AssertionError, match="scores differ"):
+        exec(compile(wrong, "testing.rst one-shot example, wrong", "exec"), {"__name__": "docs_example"})

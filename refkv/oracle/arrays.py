@@ -66,7 +66,7 @@ def _dtype_mismatch(actual: np.dtype, desired: np.dtype, check_dtype) -> str | N
 def as_array(x, name: str = "array") -> np.ndarray:
     """``x`` as a NumPy array, for anything a kernel returns, without importing its library.
 
-    NumPy arrays, lists and scalars go through :func:`numpy.asarray`. An object NumPy
+    NumPy arrays, lists and scalars go through ``numpy.asarray``. An object NumPy
     cannot convert, or converts to an ``object`` array (a torch ``bfloat16`` tensor, whose
     dtype NumPy lacks), is converted by duck typing: ``x.float()`` (torch) or
     ``x.astype("float32")`` (jax, ml_dtypes), then ``.numpy()`` or ``__array__``. A

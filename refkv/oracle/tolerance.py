@@ -16,9 +16,10 @@ The derivation is in ``docs/oracle/tolerances.rst``; in short:
   ``1 + eta`` (exact first-order bound for scores that are non-negative combinations of
   attention weights), and :data:`RANDOM_TRIALS` seeded random-sign perturbations of size
   ``eta`` (doubled, as random signs estimate a worst case from below).
-* ``tol_i = max(rounding, positive, 2 * random signs) + u |s_i| + tiny / 2`` (the
-  output's rounding, with the dtype's smallest subnormal ``tiny`` for underflow)
-  + |s_i(float64) - s_i(reference)|`` (the reference's own rounding, for float32 cases).
+* ``tol_i = max(rounding, positive, 2 * random signs) + u |s_i| + tiny / 2
+  + |s_i(float64) - s_i(reference)|``: the perturbations, the output's rounding (with the
+  dtype's smallest subnormal ``tiny`` for underflow) and the reference's own rounding
+  (for float32 cases).
 
 So the tolerance of a score is at the score's own scale (``|s_i|`` for an attention
 weight, the cosine's computation scale for a cosine near zero), never
