@@ -307,3 +307,40 @@ def test_property_emulated_low_precision_kernels_pass_random_one_shot_cases(tmp_
     for kernel in (correct_kernel, correct_kernel_topk_in_dtype):
         r = compare_case(kernel(case, dtype), case, dtype=dtype)
         assert r.ok, r.format()
+
+
+# -- kernels computed in torch's bfloat16 and float16 (not emulated) -------------------------------------
+def _torch_kernels(torch):
+    def finish(case, scores, protected):
+        m = case.outputs["kept"].shape[1]
+        ranked = scores.float().numpy().astype(np.float64)
+        return {"scores": scores, "kept": select(ranked, case.inputs["positions"], m, protected)}
+
+    def keydiff(case, dt):
+        k = torch.from_numpy(case.inputs["keys"]).to(dt)  # (Hkv, n, d), every step below in dt
+        unit = k / torch.clamp(torch.linalg.vector_norm(k, dim=-1, keepdim=True), min=1e-8)
+        anchor = unit.mean(dim=1, keepdim=True)
+        cos = (unit * anchor).sum(-1) / torch.clamp(torch.linalg.vector_norm(anchor, dim=-1), min=1e-8)
+        return finish(case, -cos, case.policy().protected(case.view()))
+
+    def tova(case, dt):
+        a = torch.from_numpy(case.inputs["attention"]).to(dt)
+        scores = a[:, :, -1, :].mean(dim=1)
+        return finish(case, scores, np.zeros(tuple(scores.shape), bool))
+
+    def knorm(case, dt):
+        scores = -torch.linalg.vector_norm(torch.from_numpy(case.inputs["keys"]).to(dt), dim=-1)
+        return finish(case, scores, np.zeros(tuple(scores.shape), bool))
+
+    return {"keydiff": keydiff, "tova": tova, "knorm": knorm}
+
+
+@pytest.mark.slow  # importing torch takes several seconds
+@pytest.mark.parametrize("policy", ["keydiff", "tova", "knorm"])
+def test_kernels_computed_in_torch_half_precision_pass(policy, oneshot_dir):
+    torch = pytest.importorskip("torch")
+    kernel = _torch_kernels(torch)[policy]
+    cases = [c for c in _cases(policy, oneshot_dir, defaults=True) if c.layer not in c.params.get("skip_layers", [])]
+    for dt, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
+        failed = [r.format() for r in (compare_case(kernel(c, dt), c, dtype=name) for c in cases) if not r.ok]
+        assert not failed, "\n".join(failed[:2])
