@@ -350,6 +350,8 @@ def test_check_accepts_a_folder_of_case_files_without_suite_json(tmp_path, capsy
     assert "computed dtype float16 (command line); overrides the candidate file's bfloat16" in out
     code, out = _run(capsys, "golden", "check", str(cand), "--against", str(ref), "--declare", "bogus=1")
     assert code == 2 and "--declare must be KEY=VALUE" in out
+    code, out = _run(capsys, "golden", "check", str(cand), "--against", str(ref), "--dtype", "int8")
+    assert code == 2 and "--dtype must be one of 'float64', 'float32', 'bfloat16', 'float16', got 'int8'" in out
 
 
 def test_check_final_only_from_the_command_line(tmp_path, capsys):

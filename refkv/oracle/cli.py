@@ -84,8 +84,14 @@ def _cmd_check(args) -> int:
     from ..validation import check_float
     from .checker import check_suite
     from .declare import parse_cli_declaration
+    from .tolerance import check_dtype_name
 
     factor = check_float("--tolerance-factor", args.tolerance_factor, 0.0, low_open=True)
+    if args.dtype is not None:
+        try:
+            check_dtype_name(args.dtype)
+        except ValueError as err:
+            raise ValueError(f"--{err}") from None
     declare = dict(parse_cli_declaration(text) for text in args.declare)
     if args.kept_only:
         declare["kept_only"] = True
