@@ -344,3 +344,13 @@ def test_kernels_computed_in_torch_half_precision_pass(policy, oneshot_dir):
     for dt, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
         failed = [r.format() for r in (compare_case(kernel(c, dt), c, dtype=name) for c in cases) if not r.ok]
         assert not failed, "\n".join(failed[:2])
+
+
+def test_a_policy_this_process_does_not_know_gets_the_magnitude_model():
+    case = load_cases(GOLDEN, policy="tova", dtype="float32")[0]
+    foreign = replace(case, policy_name="not-registered-here")
+    tol = score_tolerance(foreign, "bfloat16")
+    s = np.abs(case.outputs["scores"].astype(np.float64))
+    eta = backward_error("bfloat16", reductions(case))
+    typical = np.median(s, axis=1, keepdims=True)
+    np.testing.assert_allclose(tol, 2 * eta * np.maximum(s, typical) + UNIT_ROUNDOFF["bfloat16"] * s)

@@ -136,6 +136,20 @@ def test_assertions_accept_lists_and_duck_typed_tensors_without_importing_their_
     with pytest.raises(AssertionError, match="scores differ"):
         assert_case(case, scores=FakeTensor(out["scores"] + 1.0), dtype="bfloat16")
     assert_scores_close(FakeTensor([[1.0, 2.0]]), [[1.0, 2.0]])
+
+    class FakeJaxBfloat16:  # np.asarray gives a dtype NumPy cannot compute with; astype works
+        dtype = "bfloat16"
+
+        def __init__(self, values):
+            self._values = np.asarray(values)
+
+        def __array__(self, dtype=None, copy=None):
+            return np.array([object()] * self._values.size, dtype=object).reshape(self._values.shape)
+
+        def astype(self, dtype):
+            return self._values.astype(dtype)
+
+    assert assert_case(case, scores=FakeJaxBfloat16(out["scores"]), dtype="bfloat16") == []
     with pytest.raises(TypeError, match="actual: cannot convert object to a NumPy array"):
         assert_scores_close(object(), [[1.0]])
 

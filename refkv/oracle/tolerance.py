@@ -187,7 +187,16 @@ def score_tolerance(case, dtype=None) -> np.ndarray:
     u = UNIT_ROUNDOFF[name]
     eta = backward_error(name, reductions(case))
     ref = np.asarray(case.outputs["scores"], dtype=np.float64)
-    policy = case.policy()
+    try:
+        policy = case.policy()
+    except (ValueError, TypeError):
+        # A policy this process does not know: no reference code to measure the
+        # conditioning with, so the magnitude model of end-to-end goldens, with a
+        # doubled eta (e2e goldens store no inputs either).
+        from .walk import decision_tolerance
+
+        rows = [decision_tolerance(row, 2.0 * eta) for row in ref]
+        return np.stack(rows) + u * np.where(np.isfinite(ref), np.abs(ref), 0.0) if rows else np.zeros(ref.shape)
     base = _scores(policy, _float_inputs(case, lambda _, a: a))
     if base is None or base.shape != ref.shape:
         base = ref
