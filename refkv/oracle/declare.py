@@ -89,10 +89,6 @@ class Declarations:
             sources[key] = source
         return Declarations(**values, sources=sources, overridden=tuple(overridden))
 
-    @property
-    def any(self) -> bool:
-        return bool(self.sources)
-
     def pinned_mask(self, positions: np.ndarray, protected: np.ndarray) -> np.ndarray:
         """Columns whose score values are not compared."""
         if self.pinned == "protected":

@@ -47,7 +47,6 @@ __all__ = [
     "reductions",
     "round_to",
     "score_tolerance",
-    "swap_threshold",
     "tie_rule_meaningless",
 ]
 
@@ -227,11 +226,6 @@ def score_tolerance(case, dtype=None) -> np.ndarray:
         output = u * np.where(finite, np.abs(ref), 0.0) + 0.5 * SMALLEST_SUBNORMAL[name]
         tol = np.maximum.reduce([rounded, positive, 2.0 * signed]) + output + own
     return np.where(np.isfinite(ref), tol, 0.0)
-
-
-def swap_threshold(tol_a: float, tol_b: float) -> float:
-    """Largest reference-score gap between two swapped tokens that is still a tie."""
-    return tol_a + tol_b
 
 
 def tie_rule_meaningless(scores: np.ndarray, tol: np.ndarray, candidates: np.ndarray | None = None) -> bool:

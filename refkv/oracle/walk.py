@@ -216,7 +216,7 @@ def _walk_blocks(res, candidate, reference, rtol, rule, before, strict_ties) -> 
     return tie_at
 
 
-def _final_arrays(candidate, reference):
+def _final_arrays(candidate):
     kept_c = as_array(candidate["kept"], "kept")
     counts_c = as_array(candidate["kept_count"], "kept_count")
     if kept_c.ndim == 4 and kept_c.shape[0] >= 1:
@@ -227,7 +227,7 @@ def _final_arrays(candidate, reference):
 
 
 def _walk_final(res, candidate, reference, rtol, rule, before, strict_ties) -> list:
-    kept_c, counts_c = _final_arrays(candidate, reference)
+    kept_c, counts_c = _final_arrays(candidate)
     kept_all, counts_all = reference["kept"], reference["kept_count"]
     n_blocks, n_layers, hkv, width = kept_all.shape
     last = n_blocks - 1
