@@ -140,6 +140,12 @@ def _check_prompt(prompt) -> None:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def _read_stdin() -> str:
+    """Standard input as text; bytes that are not UTF-8 become lone surrogates (then refused)."""
+    raw = getattr(sys.stdin, "buffer", None)
+    return sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
+
+
 # -- the command ---------------------------------------------------------------------------
 def add_generate_command(sub) -> None:
     """Register ``refkv generate`` on an argparse subparsers object."""
@@ -164,7 +170,7 @@ def _cmd_generate(args) -> int:
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    prompt = sys.stdin.buffer.read().decode("utf-8", "surrogateescape") if args.prompt == "-" else args.prompt
+    prompt = _read_stdin() if args.prompt == "-" else args.prompt
     _check_prompt(prompt)  # before loading the model: a bad byte fails at once
     policy = make_policy(args)
     start = time.perf_counter()
