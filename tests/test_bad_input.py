@@ -8,6 +8,7 @@ The other areas' attacks live in ``tests/test_bad_input_*.py`` (oracle, suite, m
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -103,13 +104,17 @@ def test_atomic_plots_are_complete_and_readable(tmp_path):
 
 # -- 5: workers exit when the parent dies ----------------------------------------------------
 _SLOW_EXPERIMENT = '''
-import time
+import os, time
+from pathlib import Path
 from refkv.experiments import runner
+
+MARKERS = Path(__file__).with_name("started")
 
 def cells(settings):
     return [{"i": i} for i in range(4)]
 
 def run(params):
+    (MARKERS / str(os.getpid())).touch()  # this worker is inside a cell now
     time.sleep(120)
     return {}
 
@@ -119,6 +124,7 @@ SLOW = runner.register_experiment(runner.Experiment(
 
 
 def _children(pid: int) -> set[int]:
+    """Processes whose parent is ``pid`` (read from /proc)."""
     out = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -127,13 +133,13 @@ def _children(pid: int) -> set[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid:
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
             out.add(int(entry.name))
     return out
 
 
 def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting to be reaped has finished)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -144,8 +150,11 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_attack_13_05_workers_exit_when_the_parent_is_killed(tmp_path):
-    """``kill -9`` of a ``--jobs 2`` run: its worker processes are gone within a few seconds."""
+    """``kill -9`` of a ``--jobs 2`` run while both workers compute a cell: every child
+    process of the run (workers, resource tracker) is gone within 5 seconds."""
     (tmp_path / "slowpoke_module.py").write_text(_SLOW_EXPERIMENT)
+    markers = tmp_path / "started"
+    markers.mkdir()
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
@@ -156,38 +165,25 @@ def test_attack_13_05_workers_exit_when_the_parent_is_killed(tmp_path):
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     parent = subprocess.Popen([sys.executable, "-c", script], env=env, start_new_session=True)
+    workers: set[int] = set()
     try:
-        workers: set[int] = set()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            workers = _children(parent.pid)
-            # two pool workers (and the resource tracker): wait until both run a cell
-            if len(workers) >= 2 and all(
-                    "slowpoke" in Path(f"/proc/{w}/cmdline").read_bytes().decode(errors="replace")
-                    or _alive(w) for w in workers):
-                time.sleep(3.0)  # let them import and pick up their cells
-                workers = _children(parent.pid)
-                break
+        deadline = time.monotonic() + 120
+        while len(list(markers.iterdir())) < 2 and time.monotonic() < deadline and parent.poll() is None:
             time.sleep(0.2)
-        assert len(workers) >= 2, "the pool never started"
+        assert len(list(markers.iterdir())) == 2, "the two workers never started their cells"
+        workers = _children(parent.pid)
+        assert {int(p.name) for p in markers.iterdir()} <= workers
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(timeout=10)
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline and any(_alive(w) for w in workers):
             time.sleep(0.1)
         orphans = [w for w in workers if _alive(w)]
-        assert not orphans, f"workers {orphans} outlived their parent"
+        assert not orphans, f"processes {orphans} outlived their parent"
     finally:
-        for pid in [parent.pid, *_children(parent.pid)]:
-            try:
+        for pid in [parent.pid, *workers]:
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        for w in locals().get("workers", ()):
-            try:
-                os.kill(w, signal.SIGKILL)
-            except OSError:
-                pass
 
 
 # -- 7: Scissorhands' history is bounded -----------------------------------------------------
