@@ -294,6 +294,8 @@ def test_attack_13_09_keydiff_overflowing_metrics_are_an_error():
 def test_attack_13_09_keydiff_eps_out_of_range(eps):
     with pytest.raises(ValueError, match=r"eps must be a finite number in \(0, "):
         KeyDiff(eps=eps)
+    with pytest.raises(ValueError, match=r"eps must be a finite number in \(0, "):
+        anchor_scores(np.ones((1, 2, 3)), eps=eps)
 
 
 def _view(keys):

@@ -108,6 +108,7 @@ def _floored_ratio(dot_u: np.ndarray, scale: np.ndarray, norm_u: np.ndarray, eps
     (no overflow); below it the ratio is ``scale * dot_u / eps``, a product that is then
     below ``eps`` and cannot overflow either.
     """
+    eps = check_float("eps", eps, 0.0, MAX_EPS, low_open=True)  # every public function comes here
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         clear = scale * norm_u >= eps  # an overflow to inf still compares right
         small = scale * dot_u / eps    # only read where it is below eps: no overflow there
