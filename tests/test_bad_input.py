@@ -85,6 +85,16 @@ def test_attack_13_03_plots_written_atomically(tmp_path, monkeypatch):
         assert (folder / name).read_bytes() == data
     assert sorted(p.name for p in folder.iterdir()) == ["p.png", "p.svg"]
 
+    # The CSV tables: killed just before the new file replaces the old one.
+    from refkv.experiments import common
+
+    table = common.write_csv(folder / "t.csv", [{"a": 1}])
+    monkeypatch.setattr(common.os, "replace", lambda *args: (_ for _ in ()).throw(Killed()))
+    with pytest.raises(Killed):
+        common.write_csv(table, [{"a": 2}] * 1000)
+    assert table.read_text() == "a\n1\n"
+    assert sorted(p.name for p in folder.iterdir()) == ["p.png", "p.svg", "t.csv"]
+
 
 def test_atomic_plots_are_complete_and_readable(tmp_path):
     """The atomic route still writes real PNG/SVG files, with the umask's permissions."""
