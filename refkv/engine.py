@@ -134,6 +134,13 @@ class Engine:
             Return logits for every token of the block (B, vocab) instead of only the
             last one (vocab,). The LM head is the most expensive matrix of a small
             model, so it is skipped for positions nobody reads.
+
+        Raises
+        ------
+        refkv.attention.NonFiniteError
+            (a ValueError) if a layer's attention output or hidden state, or the logits,
+            hold NaN or inf; the message names the layer. The caches are then partly
+            updated: start a new engine.
         """
         tokens = self.model.check_tokens(tokens)
         limit = None if self.budget is None else self.policy.max_block(self.budget, self.model.config)
