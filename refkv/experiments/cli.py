@@ -11,15 +11,16 @@ __all__ = ["add_experiment_command"]
 NAMES = ("passkey", "perplexity", "attention_loss", "geometry", "all")
 
 
-def _optional_int(text: str):
+def _optional_int(text: str, option: str):
+    """An integer >= 1, or None for 'none' (also 'full', 'inf'); errors name ``option``."""
     if text.lower() in ("none", "full", "inf"):
         return None
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"expected an integer >= 1 or 'none', got {text!r}") from None
+        value = 0
     if value < 1:
-        raise ValueError(f"expected an integer >= 1 or 'none', got {text!r}")
+        raise ValueError(f"{option} must each be an integer >= 1 or 'none', got {text!r}")
     return value
 
 
@@ -48,15 +49,18 @@ def add_experiment_command(sub) -> None:
 
 
 def _cmd_experiment(args) -> int:
-    from .runner import Settings, experiment_names, get_experiment, plan, run
+    from ..validation import check_int
+    from .runner import Settings, check_policy_specs, experiment_names, get_experiment, plan, run
 
-    if args.jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    check_int("--jobs", args.jobs, 1)
+    check_int("--seed", args.seed, 0)
+    if args.policies:
+        check_policy_specs(args.policies, "--policies")  # every spec, before any cell runs
     settings = Settings(
         quick=args.quick, model=args.model, dtype=args.dtype,
         policies=tuple(args.policies) if args.policies else None,
-        budgets=tuple(_optional_int(b) for b in args.budgets) if args.budgets else None,
-        blocks=tuple(_optional_int(b) for b in args.blocks) if args.blocks else None,
+        budgets=tuple(_optional_int(b, "--budgets") for b in args.budgets) if args.budgets else None,
+        blocks=tuple(_optional_int(b, "--blocks") for b in args.blocks) if args.blocks else None,
         seed=args.seed)
     names = experiment_names() if args.name == "all" else [args.name]
     experiments = [get_experiment(n) for n in names]
