@@ -515,7 +515,8 @@ def plan(experiments: Sequence[Experiment], settings: Settings, out) -> tuple[li
 
 
 def run(experiments: Iterable[Experiment] | Experiment, settings: Settings | None = None, *, out="results",
-        jobs: int = 1, summarise: bool = True, stream=None, threads_per_job: int = 1) -> dict[str, list[dict]]:
+        jobs: int = 1, summarise: bool = True, stream=None, threads_per_job: int = 1,
+        executor=None) -> dict[str, list[dict]]:
     """Run (or resume) experiments and write their summaries.
 
     Parameters
@@ -533,6 +534,11 @@ def run(experiments: Iterable[Experiment] | Experiment, settings: Settings | Non
         Where the progress bar goes (default stderr).
     threads_per_job : int
         BLAS threads of each worker process (``jobs > 1`` only).
+    executor : concurrent.futures.Executor, optional
+        Run the cells there instead (``jobs`` is then ignored): any executor whose
+        ``submit`` returns :class:`concurrent.futures.Future` objects, e.g. a Dask cluster's
+        (:func:`refkv.experiments.cluster.dask_executor`). Records, resume and progress are
+        the same as a local run: only this process writes records.
 
     Returns
     -------
@@ -558,7 +564,9 @@ def run(experiments: Iterable[Experiment] | Experiment, settings: Settings | Non
         if done:
             stream.write(f"refkv experiment: {done} cells already finished in {out}, {len(tasks)} to run\n")
         progress = Progress(len(tasks), sum(t.cost for t in tasks), stream=stream)
-        if jobs == 1 or len(tasks) <= 1:
+        if executor is not None:
+            _drain(executor, tasks, progress)
+        elif jobs == 1 or len(tasks) <= 1:
             for task in tasks:
                 result, wall, cpu = _run_cell(task.module, task.experiment, task.params)
                 append_record(task.path, _record(task, result, wall, cpu))
@@ -585,18 +593,32 @@ def _run_parallel(tasks: list[_Task], jobs: int, threads: int, progress: Progres
     with _thread_environment(threads):
         executor = ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_exit_with_parent)
         try:
-            pending = {executor.submit(_run_cell, t.module, t.experiment, t.params): t for t in tasks}
-            while pending:
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    task = pending.pop(future)
-                    result, wall, cpu = future.result()
-                    append_record(task.path, _record(task, result, wall, cpu))
-                    progress.advance(task.cost, task.experiment)
+            _drain(executor, tasks, progress)
         except BaseException:
             executor.shutdown(wait=False, cancel_futures=True)
             raise
         executor.shutdown(wait=True)
+
+
+def _drain(executor, tasks: list[_Task], progress: Progress) -> None:
+    """Submit every cell to ``executor`` and record each result here, as it finishes.
+
+    The one loop shared by local processes and external executors (Dask): whatever runs
+    the cells, only this process appends records, so resume and the record format do not
+    depend on where the cells ran. On an error the cells not yet started are cancelled.
+    """
+    pending = {executor.submit(_run_cell, t.module, t.experiment, t.params): t for t in tasks}
+    try:
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                task = pending.pop(future)
+                result, wall, cpu = future.result()
+                append_record(task.path, _record(task, result, wall, cpu))
+                progress.advance(task.cost, task.experiment)
+    finally:
+        for future in pending:
+            future.cancel()
 
 
 def grid_records(experiment: Experiment, settings: Settings, out) -> list[dict]:
