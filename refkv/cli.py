@@ -18,7 +18,7 @@ from . import __version__, policies
 from .engine import Engine
 from .experiments.cli import add_experiment_command
 from .formatting import format_ranges
-from .generation import PROGRESS_MIN_TOKENS, generate_text
+from .generation import PROGRESS_MIN_TOKENS, _check_prompt, generate_text
 from .oracle.cli import add_golden_command
 from .policies.spec import parse_params
 
@@ -66,6 +66,8 @@ def _cmd_run(args) -> int:
 
     if args.prompt_len < 1:
         raise ValueError(f"--prompt-len must be >= 1, got {args.prompt_len}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be an integer >= 0, got {args.seed}")
     model = load("tiny", dtype=args.dtype, seed=args.seed)
     prompt = np.random.default_rng(args.seed).integers(0, model.config.vocab_size, args.prompt_len)
     engine = Engine(model, make_policy(args), args.budget)
@@ -82,6 +84,12 @@ def _cmd_run(args) -> int:
           f"attention weights materialised: {s.attention_materialised} of {s.attention_calls} calls")
     print("generated:", " ".join(map(str, new)))
     return 0
+
+
+def _read_stdin() -> str:
+    """Standard input as text; bytes that are not UTF-8 become lone surrogates (then refused)."""
+    raw = getattr(sys.stdin, "buffer", None)
+    return sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
 
 
 def add_generate_command(sub) -> None:
@@ -104,7 +112,8 @@ def _cmd_generate(args) -> int:
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _read_stdin() if args.prompt == "-" else args.prompt
+    _check_prompt(prompt)  # before loading the model: a bad byte fails at once
     policy = make_policy(args)
     start = time.perf_counter()
     model, tokenizer = load_with_tokenizer(args.model, dtype=args.dtype)
@@ -154,10 +163,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as err:
-        print(f"refkv: error: {err}", file=sys.stderr)
+        print(f"refkv: error: {_one_line(str(err))}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `refkv run | head` is fine
         return 0
+    except OSError as err:  # unwritable or full output folder, a file given as a folder, ...
+        print(f"refkv: error: {_os_error(err)}", file=sys.stderr)
+        return 2
+
+
+def _os_error(err: OSError) -> str:
+    """``strerror: filename`` (what failed, on which file), without the errno prefix."""
+    text = err.strerror or str(err)
+    names = [name for name in (err.filename, err.filename2) if name is not None]
+    if names:
+        text += ": " + " -> ".join(str(name) for name in names)
+    return _one_line(text)
+
+
+def _one_line(text: str) -> str:
+    """An error message on one line (a multi-line message is joined with '; ')."""
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 if __name__ == "__main__":

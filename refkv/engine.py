@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .attention import DEFAULT_KEY_CHUNK, attend
+from .attention import DEFAULT_KEY_CHUNK, NonFiniteError, attend
 from .cache import LayerCache
 from .model.decoder import Model
 from .policies import Policy, View
@@ -96,6 +96,10 @@ class Engine:
 
     def __init__(self, model: Model, policy: Policy | str = "full", budget: int | None = None, *,
                  record: bool = False, key_chunk: int = DEFAULT_KEY_CHUNK):
+        if not isinstance(model, Model):
+            raise ValueError(f"model must be a refkv Model (e.g. refkv.model.load('tiny')), "
+                             f"got {type(model).__name__}")
+        key_chunk = check_int("key_chunk", key_chunk, 1)
         if isinstance(policy, str):
             policy = get_policy(policy)
         if not isinstance(policy, Policy):
@@ -128,6 +132,13 @@ class Engine:
             Return logits for every token of the block (B, vocab) instead of only the
             last one (vocab,). The LM head is the most expensive matrix of a small
             model, so it is skipped for positions nobody reads.
+
+        Raises
+        ------
+        refkv.attention.NonFiniteError
+            (a ValueError) if a layer's attention output or hidden state, or the logits,
+            hold NaN or inf; the message names the layer. The caches are then partly
+            updated: start a new engine.
         """
         tokens = self.model.check_tokens(tokens)
         limit = None if self.budget is None else self.policy.max_block(self.budget, self.model.config)
@@ -141,13 +152,17 @@ class Engine:
         rope = self.model.rope(positions)
         x = self.model.embed(tokens)
         for layer in range(self.model.config.n_layers):
-            x = self._layer(layer, x, rope)
+            try:
+                x = self._layer(layer, x, rope)
+            except NonFiniteError as err:
+                raise NonFiniteError(f"layer {layer}: {err}") from None
+            _check_finite(x, f"layer {layer}: the hidden state after the layer")
         self.stats.tokens += len(tokens)
         if self.trace is not None:
             self.trace.kept.append([c.positions.copy() for c in self.caches])
-        if all_logits:
-            return self.model.head(x)
-        return self.model.head(x[-1:])[0]
+        logits = self.model.head(x if all_logits else x[-1:])
+        _check_finite(logits, f"the logits (LM head after layer {self.model.config.n_layers - 1})")
+        return logits if all_logits else logits[0]
 
     def _layer(self, layer: int, x: np.ndarray, rope) -> np.ndarray:
         model, policy, cache, budget = self.model, self.policy, self.caches[layer], self.budget
@@ -237,6 +252,19 @@ class Engine:
                 break
             logits = self.forward([token])
         return generated
+
+
+def _check_finite(array: np.ndarray, what: str) -> None:
+    """Raise :class:`~refkv.attention.NonFiniteError` if ``array`` holds NaN or inf.
+
+    Run on each layer's (B, d_model) output and on the logits: a pass over arrays far
+    smaller than the weights that made them, and what stops overflowing weights from
+    turning into NaN logits that greedy decoding would read as token 0.
+    """
+    if not np.isfinite(array).all():
+        bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+        raise NonFiniteError(f"{what} has {bad} non-finite value(s) (NaN or inf): the weights or inputs "
+                             f"overflow {array.dtype}")
 
 
 def blocks(tokens: np.ndarray, block_size: int | None) -> list[np.ndarray]:
