@@ -36,6 +36,7 @@ def test_every_registered_policy_has_goldens():
         assert "vectors" in kinds, name
 
 
+@pytest.mark.slow
 def test_regenerating_the_suite_gives_the_same_decisions_and_floats_within_the_stated_bound(tmp_path):
     # Portable: on another CPU or BLAS the last bits of floats may move, so the condition is
     # identical decisions (kept positions, protected masks, flags, counts, strings) and
