@@ -227,3 +227,80 @@ def test_usage_errors_exit_2_with_a_message(capsys, tmp_path):
     assert code == 2 and "does not exist" in out
     code, out = _run(capsys, "golden", "check", str(GOLDEN), "--against", str(tmp_path))
     assert code == 2 and "has no suite.json" in out
+
+
+# -- one-shot coverage (issue 12 A) -----------------------------------------------------------------------
+def _cases():
+    from refkv.oracle import read_vectors
+
+    return [c for path in sorted((GOLDEN / "vectors").glob("*.json")) for c in read_vectors(path).cases]
+
+
+def test_every_policy_that_runs_one_shot_has_one_shot_goldens_in_both_dtypes():
+    from refkv import policies
+    from refkv.oracle.suite import NO_ONESHOT
+
+    index = read_suite(GOLDEN)
+    cases = _cases()
+    for name in index["policies"]:
+        e2e = {(e["mode"], e["dtype"]) for e in index["files"] if e["policy"] == name and e["kind"] == "e2e"}
+        vec = {(c.mode, c.dtype) for c in cases if c.policy_name == name}
+        if policies.policy_class(name).evict_before_attention:
+            # No one-shot form: the reason is stated in the suite, once per parameter set and model.
+            assert not any(m == "oneshot" for m, _ in e2e | vec), name
+            reasons = [s for s in index["skipped"] if s["policy"] == name and "one-shot" in s["what"] + s["reason"]]
+            assert reasons and all(s["reason"] == NO_ONESHOT for s in reasons), name
+            continue
+        assert {("oneshot", "float32"), ("oneshot", "float64"), ("block", "float64")} <= e2e, name
+        assert ("oneshot", "float32") in vec, name
+        if name != "full":  # full never evicts: its vectors are a no-eviction and a single-token case
+            assert {("oneshot", "float64"), ("block", "float32"), ("block", "float64")} <= vec, name
+
+
+def test_float32_cases_carry_every_adversarial_flag():
+    flags = {f for c in _cases() if c.dtype == "float32" for f in c.flags}
+    assert {"zero-norm-key", "duplicate-keys", "exact-tie", "near-tie", "huge-logits", "gqa", "mha",
+            "single-token"} <= flags
+    oneshot = {f for c in _cases() if c.dtype == "float32" and c.mode == "oneshot" for f in c.flags}
+    assert {"zero-norm-key", "duplicate-keys", "near-tie", "huge-logits", "gqa", "mha"} <= oneshot
+
+
+def test_one_shot_cases_are_the_whole_prompt_and_snapkv_sees_its_whole_window():
+    snapkv = 0
+    for c in _cases():
+        if c.mode != "oneshot":
+            continue
+        assert c.stage == "after-attention" and c.sizes["block"] == c.sizes["n"], c.label
+        assert list(c.inputs["query_positions"]) == list(range(c.sizes["n"])), c.label
+        if c.policy_name == "snapkv" and c.sizes["n"] > c.budget:
+            assert c.sizes["block"] >= c.params["window"], c.label
+            snapkv += c.params["window"] == 32  # the default window, not only the small variants
+    assert snapkv >= 2
+    index = read_suite(GOLDEN)
+    oneshot_snapkv = [e for e in index["files"] if e["policy"] == "snapkv" and e.get("mode") == "oneshot"]
+    for entry in oneshot_snapkv:
+        man = json.loads((GOLDEN / entry["path"]).read_text())
+        assert man["block_size"] is None and man["budget"] > man["policy"]["params"]["window"]
+        assert man["prompt"]["length"] >= man["policy"]["params"]["window"] + man["budget"] // 2
+        assert man["evictions"] == man["model"]["config"]["n_layers"]  # every layer evicted once
+    assert len(oneshot_snapkv) == 2
+
+
+def test_every_case_states_the_block_size_it_ran():
+    import re
+
+    for c in _cases():
+        t = int(c.inputs["query_positions"][-1]) + 1  # the prompt ran up to the last block's end
+        stated = re.search(r"\((one-shot: T=(\d+) in one block|T=(\d+) in (\d+) blocks of (\d+)), N=(\d+)\)$",
+                           c.comment)
+        if "engine" in c.flags:
+            b = re.search(r"N=\d+, B=(\d+|the whole prompt \(one-shot\))", c.comment).group(1)
+            assert (c.mode == "oneshot") == b.startswith("the whole"), c.label
+            assert c.mode == "oneshot" or int(b) == c.sizes["block"], c.label
+            continue
+        assert stated, c.label
+        if stated.group(2):
+            assert c.mode == "oneshot" and int(stated.group(2)) == t == c.sizes["block"], c.label
+        else:
+            total, count, block = (int(stated.group(i)) for i in (3, 4, 5))
+            assert c.mode == "block" and block == c.sizes["block"] and total == t == count * block, c.label
