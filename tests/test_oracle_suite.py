@@ -51,11 +51,11 @@ def test_regenerating_the_suite_gives_the_same_decisions_and_floats_within_the_s
     assert not diff.decisions, (f"{len(diff.decisions)} decisions changed:\n" + "\n".join(diff.decisions[:20])
                                 + f"\n{REGENERATE}")
     beyond = diff.beyond(bound)
-    assert not beyond, "\n".join(f"{where}: scaled difference {d:.2e} > {bound[dtype]} ({dtype})\n"
+    assert not beyond, "\n".join(f"{where}: scaled difference {d:.2e} > {bound[diff.kind(where)][dtype]} ({dtype})\n"
                                  f"  committed:   {_short(a)}\n  regenerated: {_short(b)}"
                                  for where, d, dtype, a, b in beyond[:10]) + f"\n{REGENERATE}"
-    print(f"regenerated in {seconds:.1f} s; largest scaled float difference: float64 "
-          f"{diff.largest('float64'):.1e}, float32 {diff.largest('float32'):.1e}")
+    print(f"regenerated in {seconds:.1f} s; largest scaled float differences: " + ", ".join(
+        f"{kind} {dtype} {diff.largest(dtype, kind):.1e}" for kind in bound for dtype in bound[kind]))
 
 
 def _short(x) -> str:
@@ -64,16 +64,16 @@ def _short(x) -> str:
 
 def test_regeneration_compares_decisions_exactly_and_floats_by_the_bound(tmp_path):
     # The comparison itself can fail: a flipped kept position is a decision, a float moved
-    # by 1e-9 is beyond the float64 bound, one moved by 1e-15 is within it.
+    # by 1e-8 is beyond the float64 end-to-end bound (1e-10), one moved by 1e-13 is within it.
     for sub in ("a", "b"):
         shutil.copytree(GOLDEN / "e2e" / "sink", tmp_path / sub / "e2e" / "sink")
-    rel = "e2e/sink/N8-B4-float64.npz"
+    rel = "e2e/sink/N8-B4-float64.npz"  # float64 end to end: bound 1e-10
     arrays = read_npz(tmp_path / "b" / rel)
-    arrays["logits"] = arrays["logits"] * (1 + 1e-15)
+    arrays["logits"] = arrays["logits"] * (1 + 1e-13)
     write_npz(tmp_path / "b" / rel, arrays)
     diff = regeneration_differences(tmp_path / "a", tmp_path / "b")
     assert not diff.decisions and not diff.beyond(REGENERATION_BOUND) and diff.largest("float64") > 0
-    arrays["logits"] = arrays["logits"] * (1 + 1e-9)
+    arrays["logits"] = arrays["logits"] * (1 + 1e-8)
     k = arrays["kept"]
     k[-1, 0, 0, 0] += 1
     write_npz(tmp_path / "b" / rel, arrays)
