@@ -13,6 +13,11 @@ inside each layer (KeyDiff Fig. 1):
 6. if the cache holds more than ``N`` tokens, ``C'_i <- pi_N(C_i)``: the policy's
    scores pick ``N`` tokens per KV head.
 
+Steps 2-6 are :func:`layer_step`, written once and called by both :class:`Engine` and
+the oracle's one-layer replay (:func:`refkv.oracle.synthetic.replay`). With ``record``
+set, the engine keeps a :class:`Trace`: the kept positions after every block and every
+eviction as an :class:`Eviction` event (with the view the policy decided on, on request).
+
 So a block's outputs saw at most ``N + B`` cache entries, and the next block sees the
 evicted cache. ``B = 1`` is token generation; ``B = None`` processes the whole prompt
 at once and then evicts (one-shot prefill, kvpress's setting). Positions come from
