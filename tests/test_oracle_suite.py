@@ -239,9 +239,11 @@ def _cases():
 def test_every_policy_that_runs_one_shot_has_one_shot_goldens_in_both_dtypes():
     from refkv import policies
     from refkv.oracle.suite import NO_ONESHOT
+    from refkv.oracle.synthetic import config_for
 
     index = read_suite(GOLDEN)
     cases = _cases()
+    largest = set()
     for name in index["policies"]:
         e2e = {(e["mode"], e["dtype"]) for e in index["files"] if e["policy"] == name and e["kind"] == "e2e"}
         vec = {(c.mode, c.dtype) for c in cases if c.policy_name == name}
@@ -250,11 +252,18 @@ def test_every_policy_that_runs_one_shot_has_one_shot_goldens_in_both_dtypes():
             assert not any(m == "oneshot" for m, _ in e2e | vec), name
             reasons = [s for s in index["skipped"] if s["policy"] == name and "one-shot" in s["what"] + s["reason"]]
             assert reasons and all(s["reason"] == NO_ONESHOT for s in reasons), name
+            # ... and their nearest regime, the largest block they accept, is covered instead.
+            for c in (c for c in cases if c.policy_name == name and "largest block" in c.comment):
+                cfg = config_for(c.sizes["n_heads"], c.sizes["n_kv_heads"], c.sizes["d_head"], c.n_layers)
+                n = c.budget + c.sizes["block"]  # before attention the case keeps N - B
+                assert c.sizes["block"] == c.policy().max_block(n, cfg), c.label
+                largest.add(name)
             continue
         assert {("oneshot", "float32"), ("oneshot", "float64"), ("block", "float64")} <= e2e, name
         assert ("oneshot", "float32") in vec, name
         if name != "full":  # full never evicts: its vectors are a no-eviction and a single-token case
             assert {("oneshot", "float64"), ("block", "float32"), ("block", "float64")} <= vec, name
+    assert largest == {n for n in index["policies"] if policies.policy_class(n).evict_before_attention}
 
 
 def test_float32_cases_carry_every_adversarial_flag():

@@ -35,7 +35,7 @@ import os
 import posixpath
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +108,7 @@ class Recipe:
     no_eviction: bool = False
     variants: bool = False  # also used for the variant parameter sets
     n_layers: int = 4
+    largest_block: bool = False  # B = policy.max_block(N): only for policies that evict before attention
 
     @property
     def mode(self) -> str:
@@ -133,6 +134,8 @@ BLOCK_RECIPES = (
     Recipe("random keys, GQA, deepest layer", variants=True),
     Recipe("random keys, GQA, float32, layer 2", dtype="float32", layer=2, variants=True),
     Recipe("generation step: blocks of one token", block=1, extra=4, variants=True),
+    Recipe("the largest block the policy accepts, B = max_block(N): nearest to one-shot for a policy that "
+           "evicts before attention", largest_block=True, extra=0, variants=True),
     Recipe("near-duplicate key planted (near tie)", edit="near-tie"),
     Recipe("zero key planted", edit="zero-norm-key", layer=1),
     Recipe("duplicate key and value planted (exact tie for key-based scores)", edit="duplicate-keys"),
@@ -215,7 +218,7 @@ PROMPT_SEED = 1
 NO_ONESHOT = ("no one-shot form: the policy evicts before attention (HashEvict Algorithm 1, MAT Eq. 4: the "
               "token attends over the already-evicted cache), so a block attends to at most N tokens and a "
               "block of the whole prompt (T > N) contradicts its definition; its largest block is "
-              "policy.max_block(N), covered by the block-mode cases")
+              "policy.max_block(N), which a block-mode case of each parameter set uses")
 
 #: How far floats may move when the suite is regenerated on another machine (another CPU or
 #: BLAS rounds differently): ``|a - b| <= bound * max(1, max |a|)`` per array (per value for
@@ -334,6 +337,12 @@ def policy_vectors(name: str, *, seed: int = 0) -> tuple[dict | None, list[dict]
             if kind == "recipe":
                 what = f"vectors {json_params(params)}: {job.mode}: {job.comment}"
                 b = _smallest_budget(policy, job)
+                if job.largest_block:
+                    cfg = config_for(job.n_heads, job.n_kv_heads, job.d_head, job.n_layers)
+                    largest = None if b is None else policy.max_block(b, cfg)
+                    if largest is None:
+                        continue  # any block size runs: nothing particular to the largest one
+                    job = replace(job, block=largest)
             else:
                 what = f"vectors {json_params(params)}: engine capture, {job[0]}, layer {job[1]}, B={job[2]}"
                 b = budget
