@@ -27,18 +27,30 @@ import numpy as np
 
 from .schema import ARRAY_DTYPES
 
-__all__ = ["atomic_write", "dumps", "read_json", "read_npz", "sha256", "write_json", "write_npz"]
+__all__ = ["atomic_write", "dumps", "npz_bytes", "read_json", "read_npz", "sha256", "write_json", "write_npz"]
 
 # A fixed member timestamp (the earliest a zip file can hold) makes .npz bytes reproducible.
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 
 
+def _umask() -> int:
+    """The process's file-creation mask (read by setting it and restoring it at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file in the same directory + rename)."""
+    """Write ``data`` to ``path`` atomically (temporary file in the same directory + rename).
+
+    The file gets the permissions a plain ``open(path, "w")`` would give (``0o666`` less
+    the umask: 0644 under umask 022), not the 0600 of a temporary file.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -163,6 +175,13 @@ def write_npz(path, arrays: Mapping[str, np.ndarray]) -> bytes:
 
     Members are written in sorted name order with a fixed timestamp. Returns the bytes.
     """
+    data = npz_bytes(arrays)
+    atomic_write(path, data)
+    return data
+
+
+def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """The bytes :func:`write_npz` writes for ``arrays`` (same content, same bytes)."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
         for name in sorted(arrays):
@@ -174,9 +193,7 @@ def write_npz(path, arrays: Mapping[str, np.ndarray]) -> bytes:
             info = zipfile.ZipInfo(f"{name}.npy", date_time=_ZIP_EPOCH)
             info.external_attr = 0o644 << 16
             zf.writestr(info, member.getvalue(), compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
-    data = buf.getvalue()
-    atomic_write(path, data)
-    return data
+    return buf.getvalue()
 
 
 def _member_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path) -> tuple[tuple, np.dtype]:
