@@ -16,7 +16,9 @@ SMALL = ModelConfig(vocab_size=262, d_model=64, n_layers=2, n_heads=4, n_kv_head
 
 def assert_same_weights(a, b, atol=0.0):
     pairs = [(a.embed, b.embed), (a.final_norm, b.final_norm)]
-    pairs += [(getattr(la, f), getattr(lb, f)) for la, lb in zip(a.layers, b.layers) for f in vars(la)]
+    for la, lb in zip(a.layers, b.layers):
+        assert set(la.arrays()) == set(lb.arrays())
+        pairs += [(la.arrays()[f], lb.arrays()[f]) for f in la.arrays()]
     for x, y in pairs:
         np.testing.assert_allclose(x, y, rtol=0, atol=atol)
 
@@ -126,8 +128,16 @@ def test_tokenizer_json_is_read(tmp_path, weights):
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"model_type": "gpt2", "architectures": []}, "model_type 'gpt2'"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "RoPE scaling"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"RoPE type 'dynamic' \(rope_scaling.rope_type\)"),
+    ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, r"RoPE type 'yarn' \(rope_scaling.rope_type\)"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, r"rope_parameters\.factor is missing"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "RoPE type 'longrope'"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, r"sliding-window attention \(use_sliding_window"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"model_type": "qwen2_moe"}, "mixture-of-experts.*'model_type'"),
+    ({"model_type": "llama", "num_local_experts": 8}, "mixture-of-experts.*'num_local_experts'"),
+    ({"mlp_bias": True}, r"MLP biases \(mlp_bias"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"hidden_act": "gelu"}, "SiLU"),
     ({"intermediate_size": 80}, r"has shape \(96, 64\), config implies \(80, 64\)"),
 ])

@@ -304,10 +304,25 @@ def test_missing_metadata_key(tmp_path):
         read_gguf(path)
 
 
-def test_rope_scaling_is_refused(tmp_path):
+def test_rope_scaling_other_than_linear_is_refused_by_key(tmp_path):
     path = tmp_path / "scaled.gguf"
-    write_gguf(path, extra={"llama.rope.scaling.type": ("string", "linear")})
-    with pytest.raises(GGUFError, match="RoPE scaling 'linear'"):
+    write_gguf(path, extra={"llama.rope.scaling.type": ("string", "yarn")})
+    with pytest.raises(GGUFError, match=r"RoPE scaling 'yarn' \(llama\.rope\.scaling\.type\)"):
+        read_gguf(path)
+
+
+def test_linear_rope_scaling_is_read(tmp_path):
+    path = tmp_path / "linear.gguf"
+    write_gguf(path, extra={"llama.rope.scaling.type": ("string", "linear"),
+                            "llama.rope.scaling.factor": ("float32", 4.0)})
+    cfg = read_gguf(path, weights=False).config
+    assert (cfg.rope_type, cfg.rope_factor) == ("linear", 4.0)
+
+
+def test_mixture_of_experts_is_refused_by_key(tmp_path):
+    path = tmp_path / "moe.gguf"
+    write_gguf(path, extra={"llama.expert_count": ("uint32", 8)})
+    with pytest.raises(GGUFError, match=r"mixture-of-experts.*llama\.expert_count = 8"):
         read_gguf(path)
 
 
