@@ -50,9 +50,13 @@ def small_vocab():
 
 
 def write_gguf(path, cfg=SMALL, weights=None, *, qtype="F32", arch="llama", skip=(), shapes=None,
-               extra=None, vocab=True, raw_types=None):
+               extra=None, vocab=True, raw_types=None, rope_freqs=None):
     """Write ``weights`` (refkv layout) as a llama.cpp-style GGUF file and return the weights.
 
+    As llama.cpp's converter does: q/k rows (and q/k biases) permuted for interleaved RoPE
+    for ``arch="llama"`` only (its ``LlamaModel``; ``Qwen2Model`` and ``Qwen3Model`` write
+    them unchanged); biases as ``attn_{q,k,v,output}.bias``, Qwen3's norms as
+    ``attn_{q,k}_norm.weight``; ``rope_freqs`` (Llama 3 scaling) as ``rope_freqs.weight``.
     ``skip`` leaves tensors out, ``shapes`` replaces a tensor by zeros of another
     (out, in) shape, ``raw_types`` stores a tensor as zero bytes of another GGML type,
     ``extra`` adds or overrides metadata (key -> (kind, value)).
@@ -68,6 +72,9 @@ def write_gguf(path, cfg=SMALL, weights=None, *, qtype="F32", arch="llama", skip
         f"{arch}.attention.layer_norm_rms_epsilon": ("float32", cfg.norm_eps),
         f"{arch}.vocab_size": ("uint32", cfg.vocab_size), f"{arch}.rope.dimension_count": ("uint32", cfg.d_head),
     }
+    if cfg.n_heads * cfg.d_head != cfg.d_model:  # as the converter writes Hugging Face's head_dim
+        meta.update({f"{arch}.attention.key_length": ("uint32", cfg.d_head),
+                     f"{arch}.attention.value_length": ("uint32", cfg.d_head)})
     meta.update(extra or {})
     for key, (kind, value) in meta.items():
         getattr(writer, f"add_{kind}")(key, value)
@@ -82,17 +89,29 @@ def write_gguf(path, cfg=SMALL, weights=None, *, qtype="F32", arch="llama", skip
         writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
         writer.add_bool("tokenizer.ggml.add_bos_token", False)
 
+    def rope_rows(w, heads):  # (out, ...) rows in llama.cpp's order for its architecture
+        return llama_cpp_permute(w, heads) if arch == "llama" else w
+
     tensors = {"token_embd.weight": weights.embed, "output_norm.weight": weights.final_norm}
     for i, lw in enumerate(weights.layers):
         b = f"blk.{i}."
         tensors.update({
             b + "attn_norm.weight": lw.attn_norm, b + "ffn_norm.weight": lw.mlp_norm,
-            b + "attn_q.weight": llama_cpp_permute(lw.wq.T, cfg.n_heads),
-            b + "attn_k.weight": llama_cpp_permute(lw.wk.T, cfg.n_kv_heads),
+            b + "attn_q.weight": rope_rows(lw.wq.T, cfg.n_heads),
+            b + "attn_k.weight": rope_rows(lw.wk.T, cfg.n_kv_heads),
             b + "attn_v.weight": lw.wv.T, b + "attn_output.weight": lw.wo.T,
             b + "ffn_gate.weight": lw.w_gate.T, b + "ffn_up.weight": lw.w_up.T, b + "ffn_down.weight": lw.w_down.T})
+        if lw.bq is not None:
+            tensors.update({b + "attn_q.bias": rope_rows(lw.bq, cfg.n_heads),
+                            b + "attn_k.bias": rope_rows(lw.bk, cfg.n_kv_heads), b + "attn_v.bias": lw.bv})
+        if lw.bo is not None:
+            tensors[b + "attn_output.bias"] = lw.bo
+        if lw.q_norm is not None:
+            tensors.update({b + "attn_q_norm.weight": lw.q_norm, b + "attn_k_norm.weight": lw.k_norm})
     if weights.lm_head is not None:
         tensors["output.weight"] = weights.lm_head.T
+    if rope_freqs is not None:
+        tensors["rope_freqs.weight"] = np.asarray(rope_freqs, dtype=np.float32)
     for name, array in tensors.items():
         if name in skip:
             continue
