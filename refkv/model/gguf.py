@@ -346,10 +346,12 @@ def _config(reader, tensors: dict, path: Path) -> ModelConfig:
             raise GGUFError(f"{path}: metadata {arch}.attention.head_count = {n_heads} does not divide "
                             f"{arch}.embedding_length = {d_model}, and {arch}.attention.key_length is not given")
         d_head = d_model // n_heads
-    q_rows = _rows(tensors.get("blk.0.attn_q.weight"))
-    if q_rows is not None and q_rows != n_heads * d_head:
-        raise GGUFError(f"{path}: metadata {arch}.attention.head_count = {n_heads} with head width {d_head} "
-                        f"implies {n_heads * d_head} rows of blk.0.attn_q.weight; the file has {q_rows}")
+    for name, heads in (("blk.0.attn_q.weight", n_heads), ("blk.0.attn_k.weight", n_kv_heads)):
+        rows = _rows(tensors.get(name))  # before RoPE is judged: a wrong head count is not "partial RoPE"
+        if rows is not None and rows != heads * d_head:
+            raise GGUFError(f"{path}: metadata {arch}.attention.head_count = {n_heads}, head_count_kv = "
+                            f"{n_kv_heads} and head width {d_head} imply {heads * d_head} rows of {name}; "
+                            f"the file has {rows}")
     d_value = count("attention.value_length", d_head)
     if d_value != d_head:
         raise GGUFError(f"{path}: key width {d_head} != value width {d_value}; refkv needs them equal")
