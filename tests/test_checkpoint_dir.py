@@ -178,3 +178,28 @@ def test_truncated_and_corrupt_files(tmp_path, weights):
     path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
     with pytest.raises(CheckpointError, match="dtype I64"):
         read_safetensors(path)
+
+
+def test_tokenizer_json_splits_by_its_own_rules(tmp_path, weights):
+    """A Llama 3-style pre-tokenizer (numbers in runs of up to 3 digits) is used as the file says."""
+    pytest.importorskip("gguf")
+    tokenizers = pytest.importorskip("tokenizers")
+    from test_gguf import write_gguf
+
+    from refkv.model import Tokenizer
+
+    write_gguf(tmp_path / "small.gguf")
+    backend = Tokenizer.from_gguf(tmp_path / "small.gguf").backend
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+        tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"\p{N}{1,3}"), behavior="isolated"),
+        tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    write_checkpoint(tmp_path / "ckpt", weights)
+    backend.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    _, tok = load_with_tokenizer(tmp_path / "ckpt")
+    text = "the 12345 others"
+    theirs = tokenizers.Tokenizer.from_file(str(tmp_path / "ckpt" / "tokenizer.json")).encode(text).ids
+    assert tok.encode(text) == theirs
+    assert tok.decode(theirs) == text
+    # the splitting rule itself is the file's (GPT-2's would be a ByteLevel with its own regex)
+    file_spec = json.loads((tmp_path / "ckpt" / "tokenizer.json").read_text())
+    assert json.loads(tok.backend.to_str())["pre_tokenizer"] == file_spec["pre_tokenizer"]

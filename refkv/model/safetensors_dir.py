@@ -50,7 +50,8 @@ from .config import ModelConfig
 from .gguf import GGUFVocab, ModelNotFoundError
 from .weights import LayerWeights, ModelWeights
 
-__all__ = ["ARCHITECTURES", "CheckpointError", "read_checkpoint", "read_safetensors", "vocab_from_tokenizer_json"]
+__all__ = ["ARCHITECTURES", "CheckpointError", "read_checkpoint", "read_safetensors", "tokenizer_of",
+           "vocab_from_tokenizer_json"]
 
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "BF16": np.dtype("<u2")}
 _MAX_HEADER = 100 * 2**20
@@ -299,9 +300,7 @@ def read_checkpoint(path, dtype=np.float32, *, tokenizer: bool = True):
     weights = _weights(path, config, tensors, dtype)
     tok = None
     if tokenizer:
-        from .tokenizer import Tokenizer
-
-        tok = Tokenizer(vocab_from_tokenizer_json(path))
+        tok = tokenizer_of(path)
     return config, weights, tok
 
 
@@ -350,6 +349,29 @@ def _weights(path: Path, c: ModelConfig, tensors: dict, dtype) -> ModelWeights:
     except ValueError as err:
         raise CheckpointError(f"{path}: {err}") from err
     return weights
+
+
+def tokenizer_of(path):
+    """The :class:`~refkv.model.tokenizer.Tokenizer` of a directory's ``tokenizer.json``, used as it is.
+
+    The ``tokenizers`` object read from the file does the encoding (its own normalizer and
+    pre-tokenizer: Llama 3 and Qwen2 do not split like GPT-2); refkv's table of token bytes
+    does the decoding, as for GGUF files.
+    """
+    from .tokenizer import Tokenizer
+
+    vocab = vocab_from_tokenizer_json(path)
+    try:
+        from tokenizers import Tokenizer as Backend
+    except ImportError as err:
+        raise ModuleNotFoundError("the tokenizer needs the 'tokenizers' package: pip install 'refkv[models]'  "
+                                  "(or: pip install tokenizers)") from err
+    file = Path(path) / "tokenizer.json"
+    try:
+        backend = Backend.from_file(str(file))
+    except Exception as err:  # the library raises its own exception type for a file it cannot use
+        raise CheckpointError(f"{file}: the tokenizers library cannot read it: {err}") from err
+    return Tokenizer(vocab, backend=backend)
 
 
 def vocab_from_tokenizer_json(path) -> GGUFVocab:

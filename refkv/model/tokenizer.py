@@ -26,7 +26,9 @@ characters; :meth:`Tokenizer.encode` raises ``ValueError`` naming them instead
 (``\\p{N}``), then GPT-2's split (contractions, ``" ?"`` + letters, ``" ?"`` +
 numbers, ``" ?"`` + other symbols, whitespace runs). In ``tokenizers`` terms:
 ``Sequence([Digits(individual_digits=True), ByteLevel(add_prefix_space=False)])``.
-Other ``pre`` names (``gpt2``, ``default``...) get plain GPT-2 splitting.
+Other ``pre`` names (``gpt2``, ``default``...) get plain GPT-2 splitting. A Hugging Face
+checkpoint's ``tokenizer.json`` is used as it is (its own pre-tokenizer and normalizer:
+Llama 3 and Qwen2 split numbers and text by their own rules).
 
 **Special tokens.** Control tokens (GGUF token type 3, e.g. ``<|im_start|>``) are
 registered as special: :meth:`Tokenizer.encode` with ``special=True`` turns their
@@ -134,6 +136,11 @@ class Tokenizer(_Base):
     ----------
     vocab : refkv.model.gguf.GGUFVocab
         The ``tokenizer.ggml.*`` fields.
+    backend : tokenizers.Tokenizer, optional
+        The model's own ``tokenizers`` object (read from a checkpoint's ``tokenizer.json``):
+        its normalizer, pre-tokenizer and BPE settings are then used as they are, which is
+        what Llama 3's and Qwen2's own splitting rules need. Without it the backend is
+        rebuilt from ``vocab`` (pre-tokenizer ``smollm`` or GPT-2).
 
     Raises
     ------
@@ -142,7 +149,7 @@ class Tokenizer(_Base):
         normal token holds a character outside the byte alphabet.
     """
 
-    def __init__(self, vocab):
+    def __init__(self, vocab, *, backend=None):
         if vocab.model != "gpt2":
             raise ValueError(f"tokenizer model {vocab.model!r} is not supported; refkv reads byte-level BPE "
                              f"('gpt2') vocabularies only")
@@ -158,15 +165,16 @@ class Tokenizer(_Base):
         self.special_ids = frozenset(int(i) for i in np.flatnonzero((types == CONTROL) | (types == USER_DEFINED)))
         self._bytes = self._token_bytes_table(vocab.tokens, self.special_ids)
 
-        backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)}, merges=list(vocab.merges),
-                                     fuse_unk=False, byte_fallback=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if vocab.pre == "smollm":
-            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                             byte_level])
-        else:
-            backend.pre_tokenizer = byte_level
-        backend.decoder = decoders.ByteLevel()
+        if backend is None:  # rebuilt from the GGUF fields
+            backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)},
+                                         merges=list(vocab.merges), fuse_unk=False, byte_fallback=False))
+            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+            if vocab.pre == "smollm":
+                backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                                 byte_level])
+            else:
+                backend.pre_tokenizer = byte_level
+            backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens([AddedToken(vocab.tokens[i], special=True, normalized=False)
                                     for i in sorted(self.special_ids)])
         self.backend = backend
