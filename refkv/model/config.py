@@ -145,6 +145,8 @@ class ModelConfig:
         elif any(v is not None for v in llama3):
             raise ValueError(f"rope_low_freq_factor, rope_high_freq_factor and rope_original_context apply to "
                              f"rope_type 'llama3' only, got rope_type {self.rope_type!r}")
+        if isinstance(self.rope_freq_factors, list):  # as to_dict() and JSON give it back
+            object.__setattr__(self, "rope_freq_factors", tuple(self.rope_freq_factors))
         if self.rope_freq_factors is not None:
             factors = self.rope_freq_factors
             if not isinstance(factors, tuple) or len(factors) != self.d_head // 2:

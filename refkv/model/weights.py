@@ -185,22 +185,23 @@ def random_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float64) -> ModelWe
     embed = rng.standard_normal((cfg.vocab_size, cfg.d_model))
     layers = []
     for _ in range(cfg.n_layers):
-        layer = dict(
+        layers.append(dict(
             attn_norm=gain(cfg.d_model), wq=dense(cfg.d_model, q), wk=dense(cfg.d_model, kv),
             wv=dense(cfg.d_model, kv), wo=dense(q, cfg.d_model), mlp_norm=gain(cfg.d_model),
             w_gate=dense(cfg.d_model, cfg.d_ff), w_up=dense(cfg.d_model, cfg.d_ff),
-            w_down=dense(cfg.d_ff, cfg.d_model))
-        # Drawn after the Llama 2 arrays, and only when used: a Llama 2-style config gets
-        # exactly the values it got before these variants existed.
+            w_down=dense(cfg.d_ff, cfg.d_model)))
+    final_norm = gain(cfg.d_model)
+    lm_head = None if cfg.tie_embeddings else dense(cfg.d_model, cfg.vocab_size)
+    # The variants' arrays are drawn after all of Llama 2's: a variant config gets the same
+    # Llama 2 arrays as the plain config, plus its own (and a plain config is unchanged).
+    for layer in layers:
         if cfg.attention_bias:
             layer.update(bq=bias(q), bk=bias(kv), bv=bias(kv))
         if cfg.output_bias:
             layer["bo"] = bias(cfg.d_model)
         if cfg.qk_norm:
             layer.update(q_norm=gain(cfg.d_head), k_norm=gain(cfg.d_head))
-        layers.append(LayerWeights(**layer))
-    final_norm = gain(cfg.d_model)
-    lm_head = None if cfg.tie_embeddings else dense(cfg.d_model, cfg.vocab_size)
+    layers = [LayerWeights(**layer) for layer in layers]
     weights = ModelWeights(embed, tuple(layers), final_norm, lm_head).astype(dtype)
     weights.validate(cfg)
     return weights
