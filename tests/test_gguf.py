@@ -50,7 +50,7 @@ def small_vocab():
 
 
 def write_gguf(path, cfg=SMALL, weights=None, *, qtype="F32", arch="llama", skip=(), shapes=None,
-               extra=None, vocab=True, raw_types=None, rope_freqs=None):
+               extra=None, vocab=True, raw_types=None, rope_freqs=None, pre="smollm"):
     """Write ``weights`` (refkv layout) as a llama.cpp-style GGUF file and return the weights.
 
     As llama.cpp's converter does: q/k rows (and q/k biases) permuted for interleaved RoPE
@@ -81,7 +81,7 @@ def write_gguf(path, cfg=SMALL, weights=None, *, qtype="F32", arch="llama", skip
     if vocab:
         tokens, types, merges = small_vocab()
         writer.add_string("tokenizer.ggml.model", "gpt2")
-        writer.add_string("tokenizer.ggml.pre", "smollm")
+        writer.add_string("tokenizer.ggml.pre", pre)
         writer.add_array("tokenizer.ggml.tokens", tokens)
         writer.add_array("tokenizer.ggml.token_type", types)
         writer.add_array("tokenizer.ggml.merges", merges)
@@ -372,3 +372,18 @@ def test_non_finite_weights_are_refused(tmp_path):
 def test_bad_dtype(tmp_path):
     with pytest.raises(ValueError, match="float32 or float64"):
         read_gguf(tmp_path / "x.gguf", np.int32)
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_pre_tokenizers_refkv_does_not_rebuild_are_refused(tmp_path, pre):
+    """Llama 3 and Qwen2 split text by their own regexes: no silent GPT-2 splitting in their place."""
+    pytest.importorskip("tokenizers")
+    from refkv.model import Tokenizer, load_with_tokenizer
+
+    path = tmp_path / "other.gguf"
+    write_gguf(path, pre=pre)
+    with pytest.raises(ValueError, match=f"tokenizer.ggml.pre '{pre}' is not implemented.*checkpoint directory"):
+        Tokenizer.from_gguf(path)
+    with pytest.raises(ValueError, match=f"'{pre}'"):
+        load_with_tokenizer(path)
+    assert read_gguf(path, weights=False).vocab.pre == pre  # the model itself still loads

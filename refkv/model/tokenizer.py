@@ -26,7 +26,8 @@ characters; :meth:`Tokenizer.encode` raises ``ValueError`` naming them instead
 (``\\p{N}``), then GPT-2's split (contractions, ``" ?"`` + letters, ``" ?"`` +
 numbers, ``" ?"`` + other symbols, whitespace runs). In ``tokenizers`` terms:
 ``Sequence([Digits(individual_digits=True), ByteLevel(add_prefix_space=False)])``.
-Other ``pre`` names (``gpt2``, ``default``...) get plain GPT-2 splitting. A Hugging Face
+``gpt2`` and ``default`` get plain GPT-2 splitting; other names (Llama 3's ``llama-bpe``,
+``qwen2``, ...) are refused rather than split wrongly. A Hugging Face
 checkpoint's ``tokenizer.json`` is used as it is (its own pre-tokenizer and normalizer:
 Llama 3 and Qwen2 split numbers and text by their own rules).
 
@@ -129,6 +130,10 @@ class _Base:
         return StreamDecoder(self)
 
 
+#: ``tokenizer.ggml.pre`` names whose splitting :class:`Tokenizer` rebuilds from GGUF fields.
+GGUF_PRE_TOKENIZERS = ("smollm", "gpt2", "default")
+
+
 class Tokenizer(_Base):
     """The byte-level BPE tokenizer described by a GGUF file.
 
@@ -165,6 +170,11 @@ class Tokenizer(_Base):
         self.special_ids = frozenset(int(i) for i in np.flatnonzero((types == CONTROL) | (types == USER_DEFINED)))
         self._bytes = self._token_bytes_table(vocab.tokens, self.special_ids)
 
+        if backend is None and vocab.pre not in GGUF_PRE_TOKENIZERS:
+            raise ValueError(f"tokenizer.ggml.pre {vocab.pre!r} is not implemented: refkv rebuilds "
+                             f"{', '.join(repr(p) for p in GGUF_PRE_TOKENIZERS)} splitting from GGUF fields, and "
+                             f"others (Llama 3's 'llama-bpe', 'qwen2') split text differently; load the model's "
+                             f"Hugging Face checkpoint directory instead (its tokenizer.json is used as it is)")
         if backend is None:  # rebuilt from the GGUF fields
             backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)},
                                          merges=list(vocab.merges), fuse_unk=False, byte_fallback=False))
