@@ -65,7 +65,11 @@ __all__ = [
 
 CONTROL, USER_DEFINED = 3, 4
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-_DEFAULT_SYSTEM = re.compile(re.escape(IM_START) + r"system\n(.*?)" + re.escape(IM_END), re.DOTALL)
+# A default system turn written out as a literal in the template: "<|im_start|>system", a
+# newline (a real one, or Jinja's backslash-n escape as Qwen2.5's tokenizer_config.json
+# has it), then plain text up to "<|im_end|>". Text with quotes or braces is template code
+# (Qwen3 builds its system turn from the messages) and is not taken for a default.
+_DEFAULT_SYSTEM = re.compile(re.escape(IM_START) + r"system(?:\n|\\n)([^'\"{}\\]*?)" + re.escape(IM_END))
 
 
 @cache
