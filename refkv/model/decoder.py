@@ -1,5 +1,9 @@
 """A Llama-family decoder in NumPy, split into the pieces the cached engine reuses.
 
+The same code runs Llama 2, Llama 3 (RoPE scaling), Qwen2/2.5 (q/k/v biases) and Qwen3
+(per-head q/k RMSNorm): each variant is a config flag and a few lines in :meth:`Model.qkv`,
+:meth:`Model.attn_out` or :mod:`refkv.model.layers`.
+
 :meth:`Model.forward_full` runs the whole sequence with plain causal attention and no
 cache. It is deliberately written independently of :mod:`refkv.attention` and
 :mod:`refkv.engine` (its own mask, ``scipy.special.softmax``, ``np.repeat`` for GQA),
@@ -74,6 +78,9 @@ class Model:
 
     def qkv(self, layer: int, x: np.ndarray, rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Normalise the residual ``x`` (T, d_model) and project to RoPE'd q, k and v.
+
+        In order: RMSNorm, the three projections, their biases (``config.attention_bias``),
+        the split into heads, the per-head q/k RMSNorm (``config.qk_norm``), RoPE on q and k.
 
         Returns
         -------
