@@ -263,3 +263,27 @@ def test_tiny_family_round_trips_through_safetensors(tmp_path, family, dtype):
                 np.testing.assert_allclose(a.arrays()[key], expected, rtol=2 ** -7, atol=0, err_msg=key)
             else:
                 np.testing.assert_array_equal(a.arrays()[key], expected, err_msg=key)
+
+
+@pytest.mark.parametrize("torch_dtype", ["bfloat16", "float16"])
+def test_half_precision_sharded_checkpoint_is_upcast_exactly(tmp_path, torch_dtype):
+    """transformers' own bf16/fp16 writer, split into shards with an index: every value upcast exactly."""
+    config, cls = hf_config(CASES["qwen2"])
+    config._attn_implementation = "eager"
+    hf = cls(config).to(torch.float64).eval()
+    randomise(hf, seed=7)
+    hf = hf.to(getattr(torch, torch_dtype))
+    hf.save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
+    assert len(list((tmp_path / "ckpt").glob("*.safetensors"))) > 1
+    assert (tmp_path / "ckpt" / "model.safetensors.index.json").is_file()
+    model = load(tmp_path / "ckpt", dtype=np.float64)
+    attn = hf.model.layers[1].self_attn
+    np.testing.assert_array_equal(model.weights.layers[1].wk, attn.k_proj.weight.detach().double().numpy().T)
+    np.testing.assert_array_equal(model.weights.layers[1].bk, attn.k_proj.bias.detach().double().numpy())
+    # A fresh float64 model holding the half-precision values: casting `hf` itself back would
+    # keep its RoPE frequency buffer rounded to half precision by .to(), a transformers artefact.
+    wide = cls(config).to(torch.float64).eval()
+    wide.load_state_dict({k: v.double() for k, v in hf.state_dict().items()})
+    tokens = prompt(model.config)
+    error = relative_error(model.forward_full(tokens), hf_logits(wide, tokens))
+    assert error.max() < TOLERANCE
