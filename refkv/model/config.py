@@ -49,7 +49,7 @@ class ModelConfig:
     rope_type : {"default", "linear", "llama3"}
         How the rotary frequencies are rescaled; Hugging Face ``rope_parameters["rope_type"]``
         (``rope_scaling`` in transformers 4). ``"default"`` is RoPE as in RoFormer (Su et al.
-        2021, Eq. 34); ``"linear"`` divides every frequency by ``rope_factor`` (position
+        2021, Sec. 3.2); ``"linear"`` divides every frequency by ``rope_factor`` (position
         interpolation, Chen et al. 2023); ``"llama3"`` is Llama 3.1's band-wise rule
         (:func:`refkv.model.layers.llama3_frequencies`). ``"dynamic"`` NTK scaling is refused:
         its frequencies depend on the length seen so far, so keys cached early would carry a
@@ -135,7 +135,7 @@ class ModelConfig:
     def _check_rope_scaling(self) -> None:
         check_choice("rope_type", self.rope_type, ROPE_TYPES)
         check_float("rope_factor", self.rope_factor, 0.0, low_open=True)
-        if self.rope_type != "linear" and self.rope_type != "llama3" and self.rope_factor != 1.0:
+        if self.rope_type == "default" and self.rope_factor != 1.0:
             raise ValueError(f"rope_factor must be 1 with rope_type {self.rope_type!r}, got {self.rope_factor!r}")
         llama3 = (self.rope_low_freq_factor, self.rope_high_freq_factor, self.rope_original_context)
         if self.rope_type == "llama3":
