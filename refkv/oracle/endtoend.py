@@ -306,8 +306,6 @@ def export_weights(path, *, seed: int = 0, dtype="float64", model: str = "tiny")
     Projections are ``(in, out)`` and applied as ``x @ W``; RoPE rotates dimension ``i``
     with ``i + d_head/2`` ("rotate half"); see :mod:`refkv.model`.
     """
-    from dataclasses import fields as dc_fields
-
     path = Path(path)
     if path.suffix != ".npz":
         raise ValueError(f"the weights file must end in .npz, got {path.name}")
@@ -318,8 +316,8 @@ def export_weights(path, *, seed: int = 0, dtype="float64", model: str = "tiny")
     if w.lm_head is not None:
         arrays["lm_head"] = w.lm_head
     for i, layer in enumerate(w.layers):
-        for f in dc_fields(layer):
-            arrays[f"layers.{i}.{f.name}"] = getattr(layer, f.name)
+        for name, array in layer.arrays().items():  # the optional ones (biases, q/k norms) when present
+            arrays[f"layers.{i}.{name}"] = array
     data = write_npz(path, arrays)
     manifest = {
         **header("refkv-weights"),
