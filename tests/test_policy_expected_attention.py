@@ -248,3 +248,18 @@ def test_scores_and_kept_sets_equal_kvpress(tiny64, params):
     kept = ExpectedAttention(**params).keep_indices(replace(view, keep=n_kept))
     theirs_kept = np.sort(np.argsort(-theirs, axis=-1, kind="stable")[:, :n_kept], axis=-1)
     np.testing.assert_array_equal(kept, theirs_kept)
+
+
+def test_unrotating_uses_the_models_rope_scaling():
+    """Llama 3.1's RoPE scaling changes the frequencies: the rotation undone must be the model's."""
+    from refkv.model.layers import rope_frequencies_of
+
+    scaled = TINY.replace(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                          rope_original_context=64)
+    assert not np.allclose(rope_frequencies_of(scaled), rope_frequencies_of(TINY))
+    q = np.random.default_rng(8).standard_normal((2, 5, TINY.d_head))
+    positions = np.arange(300, 305)
+    cos, sin = rope_angles(positions, TINY.d_head, TINY.rope_base, np.float64, inv_freq=rope_frequencies_of(scaled))
+    rotated = apply_rope(q, cos, sin)
+    np.testing.assert_allclose(unrotated_queries(rotated, positions, scaled), q, rtol=0, atol=1e-12)
+    assert not np.allclose(unrotated_queries(rotated, positions, TINY), q, atol=1e-3)

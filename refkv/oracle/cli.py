@@ -59,8 +59,13 @@ def add_golden_command(sub) -> None:
     c.add_argument("--verbose", action="store_true", help="list passing files and every tie")
     c.set_defaults(func=_cmd_check)
 
-    w = gsub.add_parser("weights", help="export the built-in model's weights (npz + JSON manifest)")
+    from .endtoend import MODELS
+
+    w = gsub.add_parser("weights", help="export the weights of an end-to-end golden's model (npz + JSON manifest)")
     w.add_argument("--out", required=True, help="the .npz file to write")
+    w.add_argument("--model", default="tiny", choices=sorted(MODELS),
+                   help="which model: the built-in tiny Llama or a tiny model of another architecture "
+                        "(default tiny)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--dtype", choices=("float32", "float64"), default="float64")
     w.set_defaults(func=_cmd_weights)
@@ -109,7 +114,7 @@ def _cmd_check(args) -> int:
 def _cmd_weights(args) -> int:
     from .endtoend import export_weights
 
-    m = export_weights(args.out, seed=args.seed, dtype=args.dtype)
-    print(f"wrote {len(m['arrays']['contents'])} arrays of the built-in model (seed {args.seed}, {args.dtype}) to "
+    m = export_weights(args.out, seed=args.seed, dtype=args.dtype, model=args.model)
+    print(f"wrote {len(m['arrays']['contents'])} arrays of model {args.model} (seed {args.seed}, {args.dtype}) to "
           f"{args.out} and its manifest to {m['arrays']['file'].rsplit('.', 1)[0]}.json")
     return 0

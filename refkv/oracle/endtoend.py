@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..engine import Engine, blocks
-from ..model import Model, builtin_model
+from ..model import Model, builtin_model, families
 from ..policies import Policy
 from .io import atomic_write, dumps, npz_bytes, read_json, read_npz, sha256, write_json, write_npz
 from .schema import E2E_SCHEMA, FLOAT_FORMAT, check_header, header, require
@@ -51,7 +51,8 @@ REFERENCE_ARRAYS = ("prompt", "kept", "kept_count", "candidates", "candidate_cou
 CANDIDATE_ARRAYS = ("kept", "kept_count", "logits")
 
 PROMPT_RULE = "numpy.random.default_rng(seed).integers(0, vocab_size, length)"
-WEIGHTS_RULE = "refkv.model.random_weights(config, seed, dtype) (export: refkv golden weights)"
+WEIGHTS_RULE = ("refkv.model.random_weights(config, seed, dtype), config from refkv.model.builtin_model or "
+                "refkv.model.families.tiny (export: refkv golden weights --model NAME)")
 
 
 #: The models end-to-end goldens can run: name -> ``builder(seed, dtype) -> Model``. A tiny model
@@ -59,6 +60,12 @@ WEIGHTS_RULE = "refkv.model.random_weights(config, seed, dtype) (export: refkv g
 #: here; :data:`refkv.oracle.suite.E2E_MODELS` chooses which of them the suite holds.
 MODELS: dict[str, Callable[[int, str], Model]] = {
     "tiny": lambda seed, dtype: builtin_model(seed=seed, dtype=dtype),
+    # The architectures the papers and the backends use (refkv.model.families): Llama 3 RoPE
+    # scaling with an original context shorter than the prompts, Qwen2 q/k/v biases, Qwen3
+    # per-head q/k RMSNorm and a head width other than d_model / n_heads.
+    "llama3": lambda seed, dtype: families.tiny("llama3", seed=seed, dtype=dtype),
+    "qwen2": lambda seed, dtype: families.tiny("qwen2", seed=seed, dtype=dtype),
+    "qwen3": lambda seed, dtype: families.tiny("qwen3", seed=seed, dtype=dtype),
 }
 
 
@@ -296,6 +303,25 @@ def policy_from_manifest(manifest: dict) -> Policy:
 
 
 
+def _conventions(config) -> list[str]:
+    """How a candidate must apply the exported arrays; one line per feature the model uses."""
+    lines = ["projections are (in_features, out_features), applied as x @ W",
+             "RoPE rotates dimension i with dimension i + d_head/2 of each head (rotate half)",
+             "query head h belongs to KV head h // (n_heads / n_kv_heads)",
+             "lm_head absent: tied to embed (logits = h @ embed.T)"]
+    if config.attention_bias:
+        lines.append("bq, bk, bv: biases added right after the projections (x @ W + b)")
+    if config.output_bias:
+        lines.append("bo: bias added after the output projection")
+    if config.qk_norm:
+        lines.append("q_norm, k_norm: RMSNorm over each head's d_head (eps = norm_eps), after the "
+                     "projections and before RoPE")
+    if config.rope_type != "default":
+        lines.append(f"RoPE frequencies scaled by rope_type={config.rope_type!r} with the rope_* fields of "
+                     f"the config (refkv.model.layers.rope_frequencies_of)")
+    return lines
+
+
 def export_weights(path, *, seed: int = 0, dtype="float64", model: str = "tiny") -> dict:
     """Write the weights of model ``model`` of :data:`MODELS` (default ``tiny``) as ``path`` (.npz)
     plus a JSON manifest beside it.
@@ -306,8 +332,6 @@ def export_weights(path, *, seed: int = 0, dtype="float64", model: str = "tiny")
     Projections are ``(in, out)`` and applied as ``x @ W``; RoPE rotates dimension ``i``
     with ``i + d_head/2`` ("rotate half"); see :mod:`refkv.model`.
     """
-    from dataclasses import fields as dc_fields
-
     path = Path(path)
     if path.suffix != ".npz":
         raise ValueError(f"the weights file must end in .npz, got {path.name}")
@@ -318,18 +342,15 @@ def export_weights(path, *, seed: int = 0, dtype="float64", model: str = "tiny")
     if w.lm_head is not None:
         arrays["lm_head"] = w.lm_head
     for i, layer in enumerate(w.layers):
-        for f in dc_fields(layer):
-            arrays[f"layers.{i}.{f.name}"] = getattr(layer, f.name)
+        for name, array in layer.arrays().items():  # the optional ones (biases, q/k norms) when present
+            arrays[f"layers.{i}.{name}"] = array
     data = write_npz(path, arrays)
     manifest = {
         **header("refkv-weights"),
         "dtype": np.dtype(dtype).name,
         "model": {"name": model.config.name, "builder": builder, "config": model.config.to_dict(), "seed": seed,
                   "weights": WEIGHTS_RULE},
-        "conventions": ["projections are (in_features, out_features), applied as x @ W",
-                        "RoPE rotates dimension i with dimension i + d_head/2 of each head (rotate half)",
-                        "query head h belongs to KV head h // (n_heads / n_kv_heads)",
-                        "lm_head absent: tied to embed (logits = h @ embed.T)"],
+        "conventions": _conventions(model.config),
         "arrays": {"file": path.name, "sha256": sha256(data),
                    "contents": {k: {"dtype": a.dtype.name, "shape": list(a.shape)} for k, a in sorted(arrays.items())}},
     }

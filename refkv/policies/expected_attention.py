@@ -33,8 +33,9 @@ Notes
 -----
 * **Queries before RoPE.** The engine shows the policy the queries after RoPE; they are
   rotated back by :math:`R_{p}^{-1} = R_{-p}` at their own positions with the model's
-  RoPE base, read from ``view.config`` (the protocol's model facts): exact, since the
-  rotation is orthogonal. A view without ``config`` is refused.
+  RoPE (base and any frequency scaling, Llama 3.1's included), read from ``view.config``
+  (the protocol's model facts): exact, since the rotation is orthogonal. A view without
+  ``config`` is refused.
 * **One-shot mode is kvpress's setting** (``B = None``): the statistics use every prompt
   query after the sinks and ``T`` is the prompt length. With blocks (an extension) they
   use the block's queries at positions ``>= s`` and ``T`` is the next position (kvpress
@@ -58,7 +59,7 @@ import numpy as np
 
 from ..attention import softmax
 from ..model.config import ModelConfig
-from ..model.layers import apply_rope, rope_angles
+from ..model.layers import apply_rope, rope_angles, rope_frequencies_of
 from ..validation import check_float, check_int
 from .base import Policy, View, first_tokens, register
 
@@ -67,7 +68,8 @@ __all__ = ["ExpectedAttention", "averaged_rotation", "expected_logits", "query_s
 
 def unrotated_queries(queries: np.ndarray, positions: np.ndarray, config: ModelConfig) -> np.ndarray:
     """Queries before RoPE: ``queries`` (H, B, d) rotated back from ``positions`` (B,), float64."""
-    cos, sin = rope_angles(-np.asarray(positions), config.d_head, config.rope_base, np.float64)  # R_{-p}
+    cos, sin = rope_angles(-np.asarray(positions), config.d_head, config.rope_base, np.float64,
+                           inv_freq=rope_frequencies_of(config))  # R_{-p}, the model's RoPE scaling included
     return apply_rope(np.asarray(queries, dtype=np.float64), cos, sin)  # (H, B, d)
 
 
@@ -87,7 +89,8 @@ def averaged_rotation(start: int, count: int, config: ModelConfig) -> np.ndarray
     \\mathrm{diag}(\\bar s) P` with :math:`P x = \\mathrm{rotate\\_half}(x)`.
     """
     d = config.d_head
-    cos, sin = rope_angles(np.arange(start, start + count), d, config.rope_base, np.float64)  # (F, d)
+    cos, sin = rope_angles(np.arange(start, start + count), d, config.rope_base, np.float64,
+                           inv_freq=rope_frequencies_of(config))  # (F, d)
     half = d // 2
     rotate_half = np.zeros((d, d))  # P: (P x)[:half] = -x[half:], (P x)[half:] = x[:half]
     rotate_half[:half, half:] = -np.eye(half)
