@@ -17,8 +17,9 @@ cases it can run. ``python tests/kvpress_adapter.py`` prints the table of
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -36,6 +37,7 @@ from refkv.oracle.synthetic import (
 )
 from refkv.oracle.vectors import encode_case, vectors_document
 from refkv.policies import get as get_policy
+from refkv.policies import select
 from refkv.testing import assert_case, load_cases
 
 #: The torch dtypes a press is run in; bf16 and fp16 run on the float32 cases.
@@ -197,16 +199,33 @@ PAIRINGS = {p.press: p for p in (
             "kernel_size = kernel (defaults differ: 64/5 vs 32/7); one-shot cases with more than w queries",
             params={"pooling": "avg"}, declare={"scores": "positive_multiple", "pinned": "protected"},
             modes=("oneshot",)),
-    Pairing("TOVAPress", "tova", "matches option",
-            "all_heads=True (the last query's weights averaged over all query heads, as the TOVA code does); "
-            "the last token is padded with max+1, so always kept (declare pinned=[last position])",
-            params={"all_heads": True}),
+    Pairing("TOVAPress", "tova", "differs by design",
+            "matches option all_heads=True (the last query's weights averaged over all query heads, as the TOVA "
+            "code does) except that the last token's score is padded with max+1, so it is always kept: scores "
+            "compared with declare pinned=[last position], kept sets with refkv's decision when the last token "
+            "is protected", params={"all_heads": True}),
     Pairing("ObservedAttentionPress", "h2o", "differs by design",
             "matches option recent=0 up to a per-token factor: the accumulated attention of token j is divided by "
             "n - j, the number of queries that saw it, so rankings differ; scores compared after multiplying by "
             "n - j, kept sets not comparable; one-shot only", params={"recent": 0}, modes=("oneshot",),
             compare_kept=False),
 )}
+
+
+def reference_for(pairing: Pairing, case):
+    """The reference the press is compared with: ``case``, or for TOVA its decision with the last token kept.
+
+    kvpress's TOVA pads the last token's score with max+1, so it always keeps it; refkv's
+    TOVA keeps it only when its weight is in the top N. A declaration cannot change a
+    decision, so the difference is applied to the reference, in the open: the last token
+    joins the protected set and refkv's one selection routine picks the rest.
+    """
+    if pairing.press != "TOVAPress":
+        return case
+    ref, positions = case.outputs, case.inputs["positions"]
+    protected = ref["protected"] | (positions == positions[:, -1:])                   # (Hkv, n)
+    return replace(case, outputs={**ref, "protected": protected,
+                                  "kept": select(ref["scores"], positions, case.budget, protected)})
 
 
 def check(pairing: Pairing, case, dtype: str) -> list:
@@ -223,7 +242,7 @@ def check(pairing: Pairing, case, dtype: str) -> list:
     declaration = pairing.declaration(case)
     if HAS_DECLARE and declaration:
         options["declare"] = declaration
-    return assert_case(case, **pairing.candidate(case, out), **options)
+    return assert_case(reference_for(pairing, case), **pairing.candidate(case, out), **options)
 
 
 def pairing_candidate(pairing: Pairing, case, dtype: str) -> dict:
@@ -342,6 +361,42 @@ DEFECTS = (
 )
 
 
+@dataclass(frozen=True)
+class Gap:
+    """A limit of refkv's own comparison that a correct press runs into (not a kvpress defect).
+
+    Kept as strict expected failures on the exact test ids, so the fix in refkv shows up.
+    """
+
+    dtype: str
+    ids: frozenset
+    what: str
+
+
+GAPS = (
+    Gap("float16", frozenset({"SnapKVPress-float16-built-snapkv-19", "TOVAPress-float16-built-tova-14",
+                              "TOVAPress-float16-built-tova-19",
+                              "ObservedAttentionPress-float16-built-h2o-14",
+                              "ObservedAttentionPress-float16-built-h2o-19"}),
+        "refkv's float16 score tolerance has no absolute floor for results in float16's subnormal range "
+        "(|s| < 2**-14 = 6.1e-5, spacing 2**-24 = 6.0e-8): a press that rounds tiny attention sums to float16 "
+        "(huge-logits cases: weights of 1e-7) misses the tolerance by one subnormal step, e.g. 1.19e-07 vs "
+        "8.23e-08 allowed 7.2e-09"),
+)
+
+
+def item_id(press: str, dtype: str, source: str, case) -> str:
+    """The pytest id of one (press, dtype, case) check."""
+    return f"{press}-{dtype}-{source}-{case}"
+
+
+def gap_for(press: str, dtype: str, source: str, case) -> Gap | None:
+    """The refkv comparison gap this check runs into, if any (only with the dtype-aware API)."""
+    if not HAS_DTYPE:
+        return None
+    return next((g for g in GAPS if item_id(press, dtype, source, case) in g.ids), None)
+
+
 def defect_for(press: str, dtype: str, case) -> Defect | None:
     """The known defect that makes ``press`` fail on ``case`` in ``dtype``, if any."""
     return next((d for d in DEFECTS if d.applies(press, dtype, case)), None)
@@ -356,33 +411,41 @@ def case_mode(case) -> str:
     return "oneshot" if case.sizes["block"] == case.sizes["n"] else "block"
 
 
+@functools.cache
+def _cases(folder: str, policy: str) -> tuple:
+    """The cases of ``policy`` in ``folder``, read once (the files do not change during a run)."""
+    return tuple(load_cases(folder, policy=policy))
+
+
 def cases_for(pairing: Pairing, dtype: str, folders: dict) -> list:
     """``(source, case)`` pairs the pairing runs on in ``dtype``, from each source folder."""
     out = []
     for source, folder in folders.items():
-        for case in load_cases(folder, policy=pairing.policy):
+        for case in _cases(str(folder), pairing.policy):
             if case.dtype == CASE_DTYPE[dtype] and pairing.runs_on(case):
                 out.append((source, case))
     return out
 
 
-def outcome(pairing: Pairing, case, dtype: str) -> str:
-    """"pass", "defect" (a known kvpress defect, see :data:`DEFECTS`) or "fail"."""
+def outcome(pairing: Pairing, source: str, case, dtype: str) -> str:
+    """"pass", "defect" (kvpress, :data:`DEFECTS`), "gap" (refkv, :data:`GAPS`) or "fail"."""
     try:
         check(pairing, case, dtype)
     except AssertionError:
-        return "defect" if defect_for(pairing.press, dtype, case) else "fail"
+        if defect_for(pairing.press, dtype, case):
+            return "defect"
+        return "gap" if gap_for(pairing.press, dtype, source, case) else "fail"
     return "pass"
 
 
 def tally(folders: dict) -> dict:
-    """``{press: {dtype: (passed, total, defects)}}`` over every case the press runs on."""
+    """``{press: {dtype: (passed, total, defects, gaps)}}`` over every case the press runs on."""
     table = {}
     for press, pairing in PAIRINGS.items():
         row = {}
         for dtype in DTYPES:
-            results = [outcome(pairing, case, dtype) for _, case in cases_for(pairing, dtype, folders)]
-            row[dtype] = (results.count("pass"), len(results), results.count("defect"))
+            results = [outcome(pairing, source, case, dtype) for source, case in cases_for(pairing, dtype, folders)]
+            row[dtype] = (results.count("pass"), len(results), results.count("defect"), results.count("gap"))
         table[press] = row
     return table
 
@@ -398,16 +461,23 @@ def table_rst(counts: dict) -> str:
         lines += [f"   * - ``{press}``", f"     - ``{pairing.policy}``" + (f" ({options})" if options else ""),
                   f"     - {verdict}"]
         for dtype in DTYPES:
-            passed, total, defects = counts[press][dtype]
-            lines.append(f"     - {passed}/{total}" + (f" ({defects} bug)" if defects else ""))
+            passed, total, defects, gaps = counts[press][dtype]
+            notes = [f"{defects} kvpress bug"] * bool(defects) + [f"{gaps} refkv tolerance gap"] * bool(gaps)
+            lines.append(f"     - {passed}/{total}" + (f" ({', '.join(notes)})" if notes else ""))
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":  # print the docs table from the outcomes (paste it into kvpress.rst)
+def how_rst() -> str:
+    """The list of ``docs/oracle/kvpress.rst`` (between ``begin-how`` and ``end-how``)."""
+    return "".join(f"* ``{press}`` -- ``{p.policy}``, {p.verdict}: {p.how}.\n" for press, p in PAIRINGS.items())
+
+
+if __name__ == "__main__":  # print the docs blocks from the outcomes (paste them into kvpress.rst)
     import tempfile
     from pathlib import Path
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         write_oneshot_suite(tmp)
-        print(table_rst(tally({"built": tmp, "golden": Path(__file__).parent / "golden"})))
+        print(".. begin-table\n\n" + table_rst(tally({"built": tmp, "golden": Path(__file__).parent / "golden"}))
+              + "\n.. end-table\n\n.. begin-how\n\n" + how_rst() + "\n.. end-how")
