@@ -17,6 +17,7 @@ Notes
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -84,8 +85,7 @@ def generate_text(model, tokenizer, prompt: str, *, policy="full", budget: int |
     **engine_options
         Passed to :class:`~refkv.engine.Engine` (``record``, ``key_chunk``).
     """
-    if not isinstance(prompt, str):
-        raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+    _check_prompt(prompt)
     if chat and not tokenizer.has_chat_template:
         raise ValueError(f"{tokenizer!r} has no chat template; use chat=False (--raw)")
     ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
@@ -118,6 +118,34 @@ def generate_text(model, tokenizer, prompt: str, *, policy="full", budget: int |
                       decode_seconds=time.perf_counter() - middle, engine=engine)
 
 
+def _check_prompt(prompt) -> None:
+    """Refuse a prompt that is not text, or holds bytes that were not UTF-8.
+
+    Python hands over undecodable bytes of ``argv`` (and of stdin read with
+    ``surrogateescape``) as lone surrogates ``U+DC80..U+DCFF``; the message shows the byte
+    and its offset in the prompt as the user gave it (before any chat template wraps it).
+    """
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+    match = _SURROGATE.search(prompt)
+    if match is None:
+        return
+    code = ord(match.group())
+    offset = len(prompt[:match.start()].encode("utf-8"))  # the first bad character: the prefix is clean
+    if 0xDC80 <= code <= 0xDCFF:
+        raise ValueError(f"prompt is not valid UTF-8: byte 0x{code - 0xDC00:02x} at byte {offset} of the prompt")
+    raise ValueError(f"prompt is not valid Unicode: lone surrogate U+{code:04X} at byte {offset} of the prompt")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _read_stdin() -> str:
+    """Standard input as text; bytes that are not UTF-8 become lone surrogates (then refused)."""
+    raw = getattr(sys.stdin, "buffer", None)
+    return sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
+
+
 # -- the command ---------------------------------------------------------------------------
 def add_generate_command(sub) -> None:
     """Register ``refkv generate`` on an argparse subparsers object."""
@@ -142,7 +170,8 @@ def _cmd_generate(args) -> int:
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _read_stdin() if args.prompt == "-" else args.prompt
+    _check_prompt(prompt)  # before loading the model: a bad byte fails at once
     policy = make_policy(args)
     start = time.perf_counter()
     model, tokenizer = load_with_tokenizer(args.model, dtype=args.dtype)

@@ -1,7 +1,8 @@
-"""``refkv experiment NAME [--quick] [--jobs N] [--out DIR] [--policies ...] [--budgets ...]``."""
+"""``refkv experiment NAME [--quick] [--jobs N] [--scheduler ADDRESS] [--out DIR] [--policies ...] [--budgets ...]``."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -11,15 +12,16 @@ __all__ = ["add_experiment_command"]
 NAMES = ("passkey", "perplexity", "attention_loss", "geometry", "all")
 
 
-def _optional_int(text: str):
+def _optional_int(text: str, option: str):
+    """An integer >= 1, or None for 'none' (also 'full', 'inf'); errors name ``option``."""
     if text.lower() in ("none", "full", "inf"):
         return None
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"expected an integer >= 1 or 'none', got {text!r}") from None
+        value = 0
     if value < 1:
-        raise ValueError(f"expected an integer >= 1 or 'none', got {text!r}")
+        raise ValueError(f"{option} must each be an integer >= 1 or 'none', got {text!r}")
     return value
 
 
@@ -31,6 +33,9 @@ def add_experiment_command(sub) -> None:
     p.add_argument("name", choices=NAMES, help="experiment to run, or 'all'")
     p.add_argument("--quick", action="store_true", help="the tiny grid (a minute or two)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                   help="run the cells on a Dask cluster: a scheduler address (tcp://HOST:8786) or 'local' "
+                        "for a LocalCluster of --jobs workers; needs the sweeps extra (default: no Dask)")
     p.add_argument("--out", default="results", help="results folder (default ./results)")
     p.add_argument("--model", default=None,
                    help="'tiny', 'smollm2' or a path (default: smollm2 when installed, else tiny)")
@@ -48,15 +53,22 @@ def add_experiment_command(sub) -> None:
 
 
 def _cmd_experiment(args) -> int:
-    from .runner import Settings, experiment_names, get_experiment, plan, run
+    from ..validation import check_int
+    from .runner import Settings, check_policy_specs, experiment_names, get_experiment, plan, run
 
-    if args.jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    check_int("--jobs", args.jobs, 1)
+    check_int("--seed", args.seed, 0)
+    if args.scheduler is not None:
+        from .cluster import check_scheduler
+
+        check_scheduler(args.scheduler)
+    if args.policies:
+        check_policy_specs(args.policies, "--policies")  # every spec, before any cell runs
     settings = Settings(
         quick=args.quick, model=args.model, dtype=args.dtype,
         policies=tuple(args.policies) if args.policies else None,
-        budgets=tuple(_optional_int(b) for b in args.budgets) if args.budgets else None,
-        blocks=tuple(_optional_int(b) for b in args.blocks) if args.blocks else None,
+        budgets=tuple(_optional_int(b, "--budgets") for b in args.budgets) if args.budgets else None,
+        blocks=tuple(_optional_int(b, "--blocks") for b in args.blocks) if args.blocks else None,
         seed=args.seed)
     names = experiment_names() if args.name == "all" else [args.name]
     experiments = [get_experiment(n) for n in names]
@@ -68,7 +80,14 @@ def _cmd_experiment(args) -> int:
               f"core-minutes", file=sys.stderr)
         return 0
     start = time.perf_counter()
-    records = run(experiments, settings, out=args.out, jobs=args.jobs, summarise=not args.no_summary)
+    with contextlib.ExitStack() as stack:
+        executor = None
+        if args.scheduler is not None:
+            from .cluster import dask_executor
+
+            executor = stack.enter_context(dask_executor(args.scheduler, n_workers=args.jobs))
+        records = run(experiments, settings, out=args.out, jobs=args.jobs, summarise=not args.no_summary,
+                      executor=executor)
     elapsed = time.perf_counter() - start
     if args.publish:
         _publish(args.out, args.publish, list(records))
@@ -76,7 +95,8 @@ def _cmd_experiment(args) -> int:
         cell_time = sum(r["wall_time_s"] for r in recs)
         print(f"{name}: {len(recs)} cells, {cell_time:.0f} s of cell time -> {args.out}/{name}.jsonl, "
               f"{args.out}/{name}/")
-    print(f"wall time {elapsed:.0f} s with --jobs {args.jobs}")
+    where = f"Dask scheduler {args.scheduler}" if args.scheduler else f"--jobs {args.jobs}"
+    print(f"wall time {elapsed:.0f} s with {where}")
     return 0
 
 
