@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -46,14 +45,6 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
           "float16": torch.float16}
 #: Which case dtype each press dtype is checked on.
 CASE_DTYPE = {"float64": "float64", "float32": "float32", "bfloat16": "float32", "float16": "float32"}
-
-#: What this refkv's comparison API offers (the ``dtype=`` and ``declare=`` arguments come
-#: with the oracle-compare work, CONTRACTS.md; until then the tests that need them skip).
-ASSERT_CASE_API = frozenset(inspect.signature(assert_case).parameters)
-LOAD_CASES_API = frozenset(inspect.signature(load_cases).parameters)
-HAS_DTYPE = "dtype" in ASSERT_CASE_API
-HAS_DECLARE = "declare" in ASSERT_CASE_API
-HAS_MODE = "mode" in LOAD_CASES_API
 
 
 # -- the adapter -----------------------------------------------------------------------------
@@ -267,17 +258,12 @@ def check(pairing: Pairing, case, dtype: str) -> list:
     """
     __tracebackhide__ = True
     out = press_outputs(pairing.make(case), case, dtype)
-    options = {}
-    if HAS_DTYPE:
-        options["dtype"] = dtype
-    declaration = pairing.declaration(case)
-    if HAS_DECLARE and declaration:
-        options["declare"] = declaration
+    options = {"dtype": dtype, "declare": pairing.declaration(case) or None}
     reference = reference_for(pairing, case)
     try:
         return assert_case(reference, **pairing.candidate(case, out), **options)
     except AssertionError as failure:
-        if dtype != "float16" or not HAS_DTYPE or "scores" not in pairing.candidate(case, out):
+        if dtype != "float16" or "scores" not in pairing.candidate(case, out):
             raise
         scale = pairing.scale(case)                                                       # (n,)
         ref = case.outputs["scores"] / scale                                              # press units
@@ -303,24 +289,13 @@ def pairing_candidate(pairing: Pairing, case, dtype: str) -> dict:
 def file_declarations(pairing: Pairing, cases: list, dtype: str) -> dict:
     """Top-level entries of a candidate file: the precision it computed in and its declarations.
 
-    Empty before the oracle-compare API exists (CONTRACTS.md: ``computed_dtype``, ``declare``).
     """
-    if not HAS_DECLARE or not cases:
+    if not cases:
         return {}
     declarations = {repr(pairing.declaration(case)) for case in cases}
     if len(declarations) != 1:
         raise ValueError(f"{pairing.press}: the cases need different declarations; write one file per kind")
     return {"computed_dtype": dtype, "declare": pairing.declaration(cases[0])}
-
-
-def needs_api(pairing: Pairing, dtype: str) -> str | None:
-    """Why this pairing cannot be checked in ``dtype`` with this refkv (None: it can)."""
-    if dtype in ("bfloat16", "float16") and not HAS_DTYPE:
-        return ("needs refkv.testing.assert_case(dtype=...) (oracle-compare, CONTRACTS.md): "
-                "tolerances derived from the candidate's precision")
-    if (pairing.press in ("SnapKVPress", "TOVAPress")) and not HAS_DECLARE:
-        return "needs refkv.testing.assert_case(declare=...) (oracle-compare, CONTRACTS.md): pinned columns"
-    return None
 
 
 # -- one-shot cases built with the public API --------------------------------------------------
@@ -429,36 +404,6 @@ def item_id(press: str, dtype: str, source: str, case) -> str:
     return f"{press}-{dtype}-{source}-{case}"
 
 
-@dataclass(frozen=True)
-class Gap:
-    """A limit of refkv's own comparison that a correct press runs into (not a kvpress defect).
-
-    Kept as strict expected failures, so the fix in refkv shows up. (Float16 subnormal
-    results are a second gap, recognised from the values: :class:`ToleranceGap`.)
-    """
-
-    press: str
-    dtypes: tuple
-    applies_to: Callable
-    what: str
-
-    def applies(self, press: str, dtype: str, case) -> bool:
-        return press == self.press and dtype in self.dtypes and self.applies_to(case)
-
-
-GAPS = (
-    Gap("KeyDiffPress", ("bfloat16", "float16"), lambda case: case.sizes["n"] == 1,
-        "a single candidate: its cosine with the anchor (its own unit vector) is exactly 1 whatever the "
-        "inputs, so refkv's derived tolerance is only the output's rounding (u), but a bf16/fp16 kernel rounds "
-        "the key and the anchor separately and returns 1 + 2u (bf16: -1.0078 against -1, allowed 0.0039)"),
-)
-
-
-def gap_for(press: str, dtype: str, case) -> Gap | None:
-    """The known gap of refkv's comparison that makes ``press`` fail on ``case`` in ``dtype``, if any."""
-    return next((g for g in GAPS if g.applies(press, dtype, case)), None) if HAS_DTYPE else None
-
-
 def defect_for(press: str, dtype: str, case) -> Defect | None:
     """The known defect that makes ``press`` fail on ``case`` in ``dtype``, if any."""
     return next((d for d in DEFECTS if d.applies(press, dtype, case)), None)
@@ -496,9 +441,7 @@ def outcome(pairing: Pairing, case, dtype: str) -> str:
     except ToleranceGap:
         return "gap"
     except AssertionError:
-        if defect_for(pairing.press, dtype, case):
-            return "defect"
-        return "gap" if gap_for(pairing.press, dtype, case) else "fail"
+        return "defect" if defect_for(pairing.press, dtype, case) else "fail"
     return "pass"
 
 

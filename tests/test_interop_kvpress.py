@@ -53,18 +53,14 @@ def _items():
     for press, pairing in ka.PAIRINGS.items():
         for dtype in ka.DTYPES:
             for source, case in ka.cases_for(pairing, dtype, FOLDERS):
-                defect, gap = ka.defect_for(press, dtype, case), ka.gap_for(press, dtype, case)
-                reasons = ([f"kvpress defect: {defect.what}"] if defect else []) + (
-                    [f"refkv gap: {gap.what}"] if gap else [])
-                marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=r) for r in reasons]
+                defect = ka.defect_for(press, dtype, case)
+                marks = [pytest.mark.xfail(strict=True, raises=AssertionError,
+                                           reason=f"kvpress defect: {defect.what}")] if defect else []
                 yield pytest.param(pairing, dtype, case, id=ka.item_id(press, dtype, source, case), marks=marks)
 
 
 @pytest.mark.parametrize("pairing, dtype, case", list(_items()))
 def test_press_agrees_with_refkv(pairing, dtype, case):
-    missing = ka.needs_api(pairing, dtype)
-    if missing:
-        pytest.skip(missing)  # temporary guard until the oracle-compare API is merged
     try:
         ka.check(pairing, case, dtype)
     except ka.ToleranceGap as gap:  # refkv's side, shown as an expected failure until its tolerance has the floor
@@ -87,11 +83,8 @@ def test_every_press_runs_on_cases_of_every_dtype():
 
 def test_presses_run_on_the_committed_one_shot_goldens():
     """The committed suite's one-shot cases (``load_cases(mode="oneshot")``) reach every press that has them."""
-    if not ka.HAS_MODE:
-        pytest.skip("needs refkv.testing.load_cases(mode=...) (CONTRACTS.md)")
     oneshot = load_cases(GOLDEN, mode="oneshot")
-    if not oneshot:
-        pytest.skip("tests/golden has no one-shot cases yet (the oracle-suite work adds them, CONTRACTS.md)")
+    assert oneshot
     assert all(ka.case_mode(c) == "oneshot" and c.sizes["block"] == c.sizes["n"] for c in oneshot)
     for press in ("KeyDiffPress", "KnormPress", "StreamingLLMPress", "SnapKVPress"):
         pairing = ka.PAIRINGS[press]
@@ -160,9 +153,6 @@ def test_each_defect_is_exposed_by_golden_cases(defect):
     pairing = ka.PAIRINGS[defect.press]
     found = 0
     for dtype in ka.DTYPES:
-        missing = ka.needs_api(pairing, dtype)
-        if missing:
-            pytest.skip(missing)
         exposed = [c for _, c in ka.cases_for(pairing, dtype, FOLDERS) if defect.applies_to(c)]
         expected = "defect" if dtype in defect.dtypes else "pass"
         assert all(ka.outcome(pairing, c, dtype) == expected for c in exposed), dtype
@@ -224,9 +214,6 @@ def test_golden_check_cli_on_one_shot_cases_in_low_precision(dtype, tmp_path, ca
     The candidate files carry ``computed_dtype`` and their declarations; SnapKV's are also
     given as flags, which the report says override the file.
     """
-    if not (ka.HAS_DTYPE and ka.HAS_DECLARE):
-        pytest.skip("needs `refkv golden check` with computed_dtype/declare on a folder without suite.json "
-                    "(oracle-compare, CONTRACTS.md)")
     for press, pairing in ka.PAIRINGS.items():
         built = [c for s, c in ka.cases_for(pairing, dtype, FOLDERS) if s == "built"]
         if press in ("ObservedAttentionPress", "TOVAPress") or any(
@@ -382,10 +369,6 @@ def _page_block(begin: str, end: str) -> str:
 
 
 def test_docs_table_matches_the_outcomes():
-    missing = [name for name, ok in (("assert_case(dtype=)", ka.HAS_DTYPE), ("assert_case(declare=)",
-                                      ka.HAS_DECLARE)) if not ok]
-    if missing:
-        pytest.skip(f"needs {', '.join(missing)} (oracle-compare, CONTRACTS.md)")
     shown = _page_block(".. begin-table\n", ".. end-table\n").strip("\n")
     expected = ka.table_rst(ka.tally(FOLDERS)).strip("\n")
     assert shown == expected, ("docs/oracle/kvpress.rst's table is stale; regenerate it with "
@@ -408,9 +391,6 @@ def test_docs_one_shot_example_runs(tmp_path, monkeypatch, capsys):
     assert len(code.strip().splitlines()) < 40, len(code.strip().splitlines())
     command = "refkv golden check kvpress-out --against oneshot --dtype bfloat16"
     assert f"$ {command}" in PAGE.read_text()
-    if not (ka.HAS_DTYPE and ka.HAS_DECLARE):
-        pytest.skip("needs refkv.testing.assert_case(dtype=...) accepting torch tensors and `refkv golden check` "
-                    "on a folder without suite.json (oracle-compare, CONTRACTS.md)")
     monkeypatch.chdir(tmp_path)
     exec(compile(code, str(PAGE), "exec"), {"__name__": "kvpress_example"})
     assert main(command.split()[1:]) == 0, capsys.readouterr().out
