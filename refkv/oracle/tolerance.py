@@ -16,10 +16,11 @@ The derivation is in ``docs/oracle/tolerances.rst``; in short:
   ``1 + eta`` (exact first-order bound for scores that are non-negative combinations of
   attention weights), and :data:`RANDOM_TRIALS` seeded random-sign perturbations of size
   ``eta`` (doubled, as random signs estimate a worst case from below).
-* ``tol_i = max(rounding, positive, 2 * random signs) + eta |s_i| + tiny / 2
+* ``tol_i = max(rounding, positive, 2 * random signs) + eta |s_i| + (eta / u) tiny / 2
   + |s_i(float64) - s_i(reference)|``: the perturbations, the forward rounding of the
-  score's own last operations (with the dtype's smallest subnormal ``tiny`` for
-  underflow) and the reference's own rounding (for float32 cases).
+  score's own last operations, the absolute rounding of subnormal results (``tiny``, the
+  dtype's smallest subnormal, half a spacing per rounding step) and the reference's own
+  rounding (for float32 cases).
 
 So the tolerance of a score is at the score's own scale (``|s_i|`` for an attention
 weight, the cosine's computation scale for a cosine near zero), never
@@ -228,7 +229,9 @@ def score_tolerance(case, dtype=None) -> np.ndarray:
         # input perturbations above cannot show it when the score is invariant to them
         # (a key's cosine with an anchor made of that key alone is exactly -1 under any
         # perturbation of the shared key, yet a bf16 kernel returns -1.0078).
-        output = eta * np.where(finite, np.abs(ref), 0.0) + 0.5 * SMALLEST_SUBNORMAL[name]
+        # Below the smallest normal number rounding is absolute: each of the eta / u rounding
+        # steps can lose up to half a subnormal spacing (float16: 2**-25), whatever |s_i| is.
+        output = eta * np.where(finite, np.abs(ref), 0.0) + 0.5 * (eta / u) * SMALLEST_SUBNORMAL[name]
         tol = np.maximum.reduce([rounded, positive, 2.0 * signed]) + output + own
     return np.where(np.isfinite(ref), tol, 0.0)
 
