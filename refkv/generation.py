@@ -81,6 +81,21 @@ def generate_text(model, tokenizer, prompt: str, *, policy="full", budget: int |
         ``progress(done, total)`` after each prompt block.
     **engine_options
         Passed to :class:`~refkv.engine.Engine` (``record``, ``key_chunk``).
+
+    Examples
+    --------
+    On the built-in random model (byte tokens, no chat template, so ``chat=False``); with
+    the real model, ``load_with_tokenizer("smollm2")`` and a question instead:
+
+    >>> from refkv.generation import generate_text
+    >>> from refkv.model import load_with_tokenizer
+    >>> model, tokenizer = load_with_tokenizer("tiny")
+    >>> result = generate_text(model, tokenizer, "x" * 100, policy="tova", budget=32, block_size=16,
+    ...                        max_new_tokens=4, chat=False)
+    >>> len(result.prompt_tokens), len(result.tokens)
+    (100, 4)
+    >>> result.engine.caches[0].positions.shape   # KV heads x N
+    (2, 32)
     """
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")

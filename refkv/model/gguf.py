@@ -67,7 +67,7 @@ __all__ = [
 SUPPORTED_TYPES = frozenset({"F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                              "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
 
-MODELS_EXTRA = "pip install 'refkv[models]'  (or: pip install gguf tokenizers)"
+MODELS_EXTRA = "pip install gguf tokenizers  (the 'models' extra: pip install -e '.[models]' in a checkout)"
 
 
 class GGUFError(ValueError):
