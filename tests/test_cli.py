@@ -259,3 +259,17 @@ def test_parse_params_and_ranges():
     assert parse_params(["code=__import__('os')"]) == {"code": "__import__('os')"}  # never evaluated
     assert format_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert format_ranges([]) == "-"
+
+
+def test_the_readme_quick_start_command_evicts(capsys):
+    """The README's generate command, on the built-in model (byte tokens: a longer prompt), shows eviction."""
+    import pathlib
+    import shlex
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.rst").read_text(encoding="utf-8")
+    line = next(x.strip() for x in readme.splitlines() if x.startswith("    refkv generate"))
+    words = shlex.split(line)[1:]
+    words[words.index("--max-new-tokens") + 1] = "2"
+    assert main([*words, "--model", "tiny", "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "[evicted: " in err and "evicted: nothing" not in err
