@@ -19,13 +19,15 @@ __all__ = ["FIGURES_VARIABLE", "save_figures"]
 FIGURES_VARIABLE = "REFKV_FIGURES"
 
 
-def save_figures(script, folder=None, *, dpi: int = 100, stream=None) -> list[Path]:
+def save_figures(script=None, folder=None, *, dpi: int = 100, stream=None) -> list[Path]:
     """Save every open matplotlib figure as ``<script name>-<n>.png`` and print the paths.
 
     Parameters
     ----------
-    script : str or PathLike
-        The running script (pass ``__file__``); names the files and, by default, the folder.
+    script : str or PathLike, optional
+        The script whose figures these are; names the files and, by default, the folder.
+        Default: the running script, ``sys.argv[0]`` (sphinx-gallery, which runs the
+        tutorials for the docs, defines no ``__file__``; it never gets this far).
     folder : str or PathLike, optional
         Where to write; default: the folder in ``$REFKV_FIGURES`` if set, else the
         script's own folder. Created if missing.
@@ -50,7 +52,7 @@ def save_figures(script, folder=None, *, dpi: int = 100, stream=None) -> list[Pa
         return []
     import matplotlib.pyplot as plt
 
-    script = Path(script).resolve()
+    script = Path(script if script is not None else (sys.argv[0] or "figure")).resolve()
     target = Path(folder if folder is not None else os.environ.get(FIGURES_VARIABLE) or script.parent)
     numbers = plt.get_fignums()
     if not numbers:

@@ -209,4 +209,4 @@ print("refkv's layer-0 cache holds", len(engine.caches[0]), "tokens, keys of sha
 
 from refkv.figures import save_figures
 
-save_figures(__file__)
+save_figures()

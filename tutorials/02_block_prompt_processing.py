@@ -170,4 +170,4 @@ print("hashevict evicts before attention:", engine.policy.evict_before_attention
 
 from refkv.figures import save_figures
 
-save_figures(__file__)
+save_figures()

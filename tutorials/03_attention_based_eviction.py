@@ -192,4 +192,4 @@ fig.tight_layout()
 
 from refkv.figures import save_figures
 
-save_figures(__file__)
+save_figures()

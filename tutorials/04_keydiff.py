@@ -224,4 +224,4 @@ for name, values in log_volume.items():
 
 from refkv.figures import save_figures
 
-save_figures(__file__)
+save_figures()

@@ -189,4 +189,4 @@ print("hash table of layer 0:", engine.caches[0].fields["hash_code"].shape, "uin
 
 from refkv.figures import save_figures
 
-save_figures(__file__)
+save_figures()

@@ -205,4 +205,4 @@ print("stored logits of layer 20 (float64, per KV head and token):", engine.cach
 
 from refkv.figures import save_figures
 
-save_figures(__file__)
+save_figures()

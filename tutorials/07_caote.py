@@ -170,4 +170,4 @@ for name, params in (("tova", {}), ("caote", {"base": "tova"}), ("caote", {"base
 
 from refkv.figures import save_figures
 
-save_figures(__file__)
+save_figures()
