@@ -103,11 +103,11 @@ class Engine:
     >>> tokens = np.arange(100) % model.config.vocab_size
     >>> engine = refkv.Engine(model, "keydiff", budget=32)
     >>> logits = engine.prefill(tokens, block_size=16)
-    >>> engine.caches[0].positions.shape          # KV heads x kept tokens, in every layer
+    >>> engine.caches[0].positions.shape     # KV heads x kept tokens
     (2, 32)
-    >>> engine.stats.peak_cache_tokens            # N + B: a block is appended before eviction
+    >>> engine.stats.peak_cache_tokens       # N + B: append, then evict
     48
-    >>> engine.stats.attention_materialised       # KeyDiff never reads the attention weights
+    >>> engine.stats.attention_materialised  # KeyDiff never reads them
     0
     >>> len(engine.generate(logits, max_new_tokens=3))
     3
@@ -281,10 +281,10 @@ def prefill(model: Model, tokens, policy: Policy | str = "full", budget: int | N
     >>> from refkv.engine import prefill
     >>> model = refkv.load("tiny")
     >>> logits, engine = prefill(model, np.arange(100), "sink", budget=32, block_size=16)
-    >>> logits.shape                              # the last token's logits
+    >>> logits.shape                         # the last token's logits
     (512,)
     >>> from refkv.formatting import format_ranges
-    >>> format_ranges(engine.caches[0].positions[0])   # sink: the first 4 and the last 28
+    >>> format_ranges(engine.caches[0].positions[0])  # first 4, last 28
     '0-3,72-99'
     """
     engine = Engine(model, policy, budget, **kwargs)
@@ -302,8 +302,9 @@ def generate(model: Model, tokens, policy: Policy | str = "full", budget: int | 
     >>> import refkv
     >>> from refkv.engine import generate
     >>> model = refkv.load("tiny")
-    >>> new, engine = generate(model, np.arange(100), "h2o", budget=32, block_size=16, max_new_tokens=3)
-    >>> len(new), engine.position                 # the last new token is not fed back
+    >>> new, engine = generate(model, np.arange(100), "h2o", budget=32,
+    ...                        block_size=16, max_new_tokens=3)
+    >>> len(new), engine.position  # the last new token is not fed back
     (3, 102)
     """
     logits, engine = prefill(model, tokens, policy, budget, block_size, **kwargs)

@@ -90,11 +90,12 @@ def generate_text(model, tokenizer, prompt: str, *, policy="full", budget: int |
     >>> from refkv.generation import generate_text
     >>> from refkv.model import load_with_tokenizer
     >>> model, tokenizer = load_with_tokenizer("tiny")
-    >>> result = generate_text(model, tokenizer, "x" * 100, policy="tova", budget=32, block_size=16,
-    ...                        max_new_tokens=4, chat=False)
+    >>> result = generate_text(model, tokenizer, "x" * 100, policy="tova",
+    ...                        budget=32, block_size=16, max_new_tokens=4,
+    ...                        chat=False)
     >>> len(result.prompt_tokens), len(result.tokens)
     (100, 4)
-    >>> result.engine.caches[0].positions.shape   # KV heads x N
+    >>> result.engine.caches[0].positions.shape  # KV heads x N
     (2, 32)
     """
     if not isinstance(prompt, str):

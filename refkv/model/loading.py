@@ -93,7 +93,7 @@ def load(name="tiny", *, dtype=None, seed: int = 0) -> Model:
     Examples
     --------
     >>> import refkv
-    >>> model = refkv.load("tiny")                # seeded random weights, float64
+    >>> model = refkv.load("tiny")  # seeded random weights, float64
     >>> model.config.n_layers, model.config.n_kv_heads, model.dtype
     (4, 2, dtype('float64'))
 
