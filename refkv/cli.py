@@ -137,17 +137,20 @@ def check_policy_arguments(args, config=None) -> policies.Policy:
 _ANY_DEPTH = 1 << 30
 
 
-def check_policy_for_model(policy, args, config, prompt_tokens: int) -> None:
-    """The checks that need the model (its depth) and the prompt's length, before any token runs."""
+def check_policy_for_model(policy, args, config, prompt_tokens: int, *, at_least: bool = False) -> None:
+    """The checks that need the model (its depth) and the prompt's length, before any token runs.
+
+    ``at_least``: ``prompt_tokens`` is a lower bound (a word count, before the tokenizer is read).
+    """
     if args.budget is None:
         return
     policy.check(args.budget, config)
     block = args.block if args.block is not None else prompt_tokens
     if prompt_tokens > args.budget:  # only a block that makes the cache overflow is limited
-        _check_block(policy, args.budget, block, config, chosen=args.block is not None)
+        _check_block(policy, args.budget, block, config, chosen=args.block is not None, at_least=at_least)
 
 
-def _check_block(policy, budget: int, block: int, config, *, chosen: bool) -> None:
+def _check_block(policy, budget: int, block: int, config, *, chosen: bool, at_least: bool = False) -> None:
     limit = policy.max_block(budget, config)
     if limit is None or block <= limit:
         return
@@ -155,7 +158,8 @@ def _check_block(policy, budget: int, block: int, config, *, chosen: bool) -> No
     if chosen:
         raise ValueError(f"--block must be <= {limit} for --policy {policy.name} with --budget {budget} "
                          f"({why}), got {block}")
-    raise ValueError(f"--policy {policy.name} with --budget {budget} cannot process the {block}-token prompt "
+    size = f"at least {block} tokens" if at_least else f"{block} tokens"
+    raise ValueError(f"--policy {policy.name} with --budget {budget} cannot process the prompt ({size}) "
                      f"as one block ({why}); pass --block {limit} or smaller")
 
 

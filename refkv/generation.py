@@ -188,7 +188,10 @@ def _read_prompt(args) -> str:
 
 
 def _cmd_generate(args) -> int:
-    from .cli import check_policy_arguments, check_policy_for_model, evicted_summary
+    from .cli import _ANY_DEPTH, check_policy_arguments, check_policy_for_model, evicted_summary
+    from .model.config import TINY
+
+    _ANY_DEPTH_CONFIG = TINY.replace(n_layers=_ANY_DEPTH)
     from .threads import blas_threads, choose_threads
     from .validation import check_int
 
@@ -200,6 +203,10 @@ def _cmd_generate(args) -> int:
     if args.model == "tiny":
         from .model.config import TINY as tiny
     policy = check_policy_arguments(args, tiny)  # before the model is read: errors come at once
+    if args.block is None and args.budget is not None:
+        # Every word is at least one token, so a prompt of more words than a policy's block
+        # limit is refused now; the exact count is checked once the tokenizer is read.
+        check_policy_for_model(policy, args, tiny or _ANY_DEPTH_CONFIG, len(prompt.split()), at_least=True)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     from .model.loading import load_with_tokenizer
 

@@ -61,7 +61,7 @@ def test_errors_exit_2_with_a_message(capsys):
     (["--policy", "mat", "--budget", "64", "--block", "64"],
      "--block must be <= 60 for --policy mat with --budget 64"),  # N - sink in its shallow layers
     (["--policy", "hashevict", "--budget", "64"],
-     "--policy hashevict with --budget 64 cannot process the 300-token prompt as one block"),
+     "--policy hashevict with --budget 64 cannot process the prompt (300 tokens) as one block"),
     (["--prompt-len", "0"], "--prompt-len must be an integer >= 1"),
 ])
 def test_run_rejects_bad_combinations_in_one_line(argv, message, capsys):
@@ -273,3 +273,16 @@ def test_the_readme_quick_start_command_evicts(capsys):
     assert main([*words, "--model", "tiny", "--threads", "1"]) == 0
     err = capsys.readouterr().err
     assert "[evicted: " in err and "evicted: nothing" not in err
+
+
+def test_generate_refuses_a_too_long_single_block_before_loading(capsys, monkeypatch):
+    """No --block with a policy that evicts before attention: a prompt with more words than the
+    block limit cannot fit (every word is at least one token), so the error comes before loading."""
+    import refkv.model.loading as loading
+
+    monkeypatch.setattr(loading, "load_with_tokenizer", lambda *a, **k: pytest.fail("model loaded"))
+    assert main(["generate", "word " * 100, "--policy", "mat", "--budget", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("refkv: error: --policy mat with --budget 64 cannot process the prompt "
+                          "(at least 100 tokens) as one block")
+    assert "pass --block 60 or smaller" in err
