@@ -20,11 +20,19 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DEFAULT_KEY_CHUNK", "attend", "attention_weights", "causal_logits", "softmax"]
+from .validation import check_int
+
+__all__ = ["DEFAULT_KEY_CHUNK", "NonFiniteError", "attend", "attention_weights", "causal_logits", "softmax"]
 
 #: Keys per tile of the online-softmax route: large enough that NumPy's per-call
 #: overhead is amortised, small enough that a tile of a 128-query block stays in cache.
 DEFAULT_KEY_CHUNK = 1024
+
+
+class NonFiniteError(ValueError):
+    """NaN or infinity where a finite number is required (attention inputs or outputs,
+    hidden states, logits). A ``ValueError``, so the command reports it in one line; the
+    engine adds the layer it happened in."""
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -93,9 +101,38 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos
     -------
     out : (H, B, d)
     weights : (Hkv, g, B, n) or None
+
+    Raises
+    ------
+    NonFiniteError
+        If the output holds NaN or inf, naming the input (``q``, ``k`` or ``v``) that does;
+        a non-finite key or value that no query can see changes nothing and is let pass.
+    ValueError
+        If ``key_chunk`` is not an integer >= 1.
     """
-    if key_chunk < 1:
-        raise ValueError(f"key_chunk must be >= 1, got {key_chunk}")
+    check_int("key_chunk", key_chunk, 1)
+    out, weights = _attend(q, k, v, q_pos, k_pos, return_weights, key_chunk)
+    if not np.isfinite(out).all():  # (H, B, d): cheap next to the attention itself
+        _explain_non_finite(q, k, v)
+    return out, weights
+
+
+def _explain_non_finite(q, k, v) -> None:
+    """Raise :class:`NonFiniteError` saying which input made the attention output non-finite.
+
+    Only reached when the output is already non-finite, so a NaN in a key no query may
+    see (masked, hence harmless) never raises.
+    """
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
+        if bad:
+            raise NonFiniteError(f"attention input {name} has {bad} non-finite value(s) (NaN or inf)")
+    raise NonFiniteError(f"attention output is non-finite although q, k and v are finite: q.k overflows "
+                         f"{np.result_type(q, k)}, or a query sees no key")
+
+
+def _attend(q, k, v, q_pos, k_pos, return_weights: bool, key_chunk: int):
+    """The two routes of :func:`attend` (arguments as there, already checked)."""
     n_kv, n, d = k.shape
     heads, b, _ = q.shape
     if return_weights:

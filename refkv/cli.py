@@ -194,6 +194,7 @@ def _cmd_run(args) -> int:
 
     check_int("--prompt-len", args.prompt_len, 1)
     check_int("--new-tokens", args.new_tokens, 0)
+    check_int("--seed", args.seed, 0)
     model = load("tiny", dtype=args.dtype, seed=args.seed)
     policy = check_policy_arguments(args, model.config)
     check_policy_for_model(policy, args, model.config, args.prompt_len)
@@ -271,10 +272,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as err:
-        print(f"refkv: error: {err}", file=sys.stderr)
+        print(f"refkv: error: {_one_line(str(err))}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `refkv run | head` is fine
         return 0
+    except OSError as err:  # unwritable or full output folder, a file given as a folder, ...
+        print(f"refkv: error: {_os_error(err)}", file=sys.stderr)
+        return 2
+
+
+def _os_error(err: OSError) -> str:
+    """``strerror: filename`` (what failed, on which file), without the errno prefix."""
+    text = err.strerror or str(err)
+    names = [name for name in (err.filename, err.filename2) if name is not None]
+    if names:
+        text += ": " + " -> ".join(str(name) for name in names)
+    return _one_line(text)
+
+
+def _one_line(text: str) -> str:
+    """An error message on one line (a multi-line message is joined with '; ')."""
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 if __name__ == "__main__":

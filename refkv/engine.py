@@ -13,6 +13,11 @@ inside each layer (KeyDiff Fig. 1):
 6. if the cache holds more than ``N`` tokens, ``C'_i <- pi_N(C_i)``: the policy's
    scores pick ``N`` tokens per KV head.
 
+Steps 2-6 are :func:`layer_step`, written once and called by both :class:`Engine` and
+the oracle's one-layer replay (:func:`refkv.oracle.synthetic.replay`). With ``record``
+set, the engine keeps a :class:`Trace`: the kept positions after every block and every
+eviction as an :class:`Eviction` event (with the view the policy decided on, on request).
+
 So a block's outputs saw at most ``N + B`` cache entries, and the next block sees the
 evicted cache. ``B = 1`` is token generation; ``B = None`` processes the whole prompt
 at once and then evicts (one-shot prefill, kvpress's setting). Positions come from
@@ -26,13 +31,15 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .attention import DEFAULT_KEY_CHUNK, attend
+from .attention import DEFAULT_KEY_CHUNK, NonFiniteError, attend
 from .cache import LayerCache
 from .model.decoder import Model
 from .policies import Policy, View
 from .policies import get as get_policy
+from .validation import check_int
 
-__all__ = ["Engine", "EngineStats", "blocks", "generate", "prefill"]
+__all__ = ["Engine", "EngineStats", "Eviction", "Step", "Trace", "blocks", "decision_view", "generate", "layer_step",
+           "prefill", "step_view"]
 
 
 @dataclass
@@ -61,15 +68,52 @@ class EngineStats:
     tokens: int = 0
 
 
+@dataclass(frozen=True)
+class Eviction:
+    """One eviction the engine made: which tokens of one layer were offered and which stayed.
+
+    Attributes
+    ----------
+    block : int
+        Index of the block (``forward`` call) it happened in, from 0.
+    layer : int
+    stage : {"after-attention", "before-attention"}
+        After the block attended (the block is among the candidates), or before it
+        (policies with ``evict_before_attention``).
+    positions : (Hkv, n) int64
+        The candidates' positions.
+    kept : (Hkv, m) int64
+        Column indices into ``positions`` of the tokens kept, increasing along each row.
+    view : View or None
+        The view the policy decided on (its signals: keys, queries, attention, state), when
+        the trace was asked for views (``Engine(record="views")``); ``None`` otherwise.
+    """
+
+    block: int
+    layer: int
+    stage: str
+    positions: np.ndarray
+    kept: np.ndarray
+    view: View | None = None
+
+    @property
+    def kept_positions(self) -> np.ndarray:
+        """(Hkv, m) positions of the kept tokens."""
+        return np.take_along_axis(self.positions, self.kept, axis=1)
+
+
 @dataclass
 class Trace:
-    """Kept positions after every (block, layer), recorded when ``record=True``.
+    """What the engine did, recorded when ``record`` is set.
 
     ``kept[b][l]`` is the (Hkv, n) int64 array of positions layer ``l`` holds after
-    block ``b``.
+    block ``b``; ``evictions`` lists every eviction in the order the engine made them
+    (:class:`Eviction`), with its view when ``views`` is true.
     """
 
     kept: list[list[np.ndarray]] = field(default_factory=list)
+    evictions: list[Eviction] = field(default_factory=list)
+    views: bool = False
 
 
 class Engine:
@@ -82,8 +126,10 @@ class Engine:
         A policy object, or a registered name (constructed with defaults).
     budget : int or None
         ``N``: tokens kept per layer and KV head. ``None``: never evict.
-    record : bool
-        Keep a :class:`Trace` of the kept positions after every block and layer.
+    record : bool or "views"
+        Keep a :class:`Trace`: the kept positions after every block and layer and every
+        eviction (:class:`Eviction`); ``"views"`` also keeps the view each eviction decided
+        on (all its signals: memory grows with the prompt).
     key_chunk : int
         Tile width of the attention route that does not form the weights.
 
@@ -114,7 +160,11 @@ class Engine:
     """
 
     def __init__(self, model: Model, policy: Policy | str = "full", budget: int | None = None, *,
-                 record: bool = False, key_chunk: int = DEFAULT_KEY_CHUNK):
+                 record: bool | str = False, key_chunk: int = DEFAULT_KEY_CHUNK):
+        if not isinstance(model, Model):
+            raise ValueError(f"model must be a refkv Model (e.g. refkv.model.load('tiny')), "
+                             f"got {type(model).__name__}")
+        key_chunk = check_int("key_chunk", key_chunk, 1)
         if isinstance(policy, str):
             policy = get_policy(policy)
         if not isinstance(policy, Policy):
@@ -129,7 +179,9 @@ class Engine:
         self.budget = budget
         self.key_chunk = key_chunk
         self.stats = EngineStats()
-        self.trace = Trace() if record else None
+        if record not in (False, True, "views"):
+            raise ValueError(f"record must be False, True or 'views', got {record!r}")
+        self.trace = Trace(views=record == "views") if record else None
         cfg = model.config
         specs = policy.fields(cfg)
         self.caches = [LayerCache(cfg.n_kv_heads, cfg.d_head, model.dtype, specs) for _ in range(cfg.n_layers)]
@@ -149,6 +201,13 @@ class Engine:
             Return logits for every token of the block (B, vocab) instead of only the
             last one (vocab,). The LM head is the most expensive matrix of a small
             model, so it is skipped for positions nobody reads.
+
+        Raises
+        ------
+        refkv.attention.NonFiniteError
+            (a ValueError) if a layer's attention output or hidden state, or the logits,
+            hold NaN or inf; the message names the layer. The caches are then partly
+            updated: start a new engine.
         """
         tokens = self.model.check_tokens(tokens)
         limit = None if self.budget is None else self.policy.max_block(self.budget, self.model.config)
@@ -162,45 +221,41 @@ class Engine:
         rope = self.model.rope(positions)
         x = self.model.embed(tokens)
         for layer in range(self.model.config.n_layers):
-            x = self._layer(layer, x, rope)
+            try:
+                x = self._layer(layer, x, rope)
+            except NonFiniteError as err:
+                raise NonFiniteError(f"layer {layer}: {err}") from None
+            _check_finite(x, f"layer {layer}: the hidden state after the layer")
         self.stats.tokens += len(tokens)
         if self.trace is not None:
             self.trace.kept.append([c.positions.copy() for c in self.caches])
-        if all_logits:
-            return self.model.head(x)
-        return self.model.head(x[-1:])[0]
+        logits = self.model.head(x if all_logits else x[-1:])
+        _check_finite(logits, f"the logits (LM head after layer {self.model.config.n_layers - 1})")
+        return logits if all_logits else logits[0]
 
     def _layer(self, layer: int, x: np.ndarray, rope) -> np.ndarray:
-        model, policy, cache, budget = self.model, self.policy, self.caches[layer], self.budget
-        q, k, v = model.qkv(layer, x, rope)
-        b = q.shape[1]
-        query_positions = np.arange(cache.next_position, cache.next_position + b, dtype=np.int64)
-
-        if policy.evict_before_attention and budget is not None and len(cache) + b > budget:
-            self._evict(layer, self._view(layer, cache, q, query_positions, k, v, None), budget - b)
-
-        cache.append(k, v)
-        self.stats.peak_cache_tokens = max(self.stats.peak_cache_tokens, len(cache))
-        want_weights = "attention" in policy.needs
-        out, weights = attend(q, cache.keys, cache.values, query_positions, cache.positions,
-                              return_weights=want_weights, key_chunk=self.key_chunk)
+        model = self.model
+        q, k, v = model.qkv(layer, x, rope)  # (H, B, d), (Hkv, B, d), (Hkv, B, d); q and k after RoPE
+        step = layer_step(self.policy, self.caches[layer], q, k, v, layer=layer, n_layers=model.config.n_layers,
+                          budget=self.budget, evict=self._evictor(layer), key_chunk=self.key_chunk)
+        self.stats.peak_cache_tokens = max(self.stats.peak_cache_tokens, step.peak)
         self.stats.attention_calls += 1
-        self.stats.attention_materialised += weights is not None
+        self.stats.attention_materialised += step.weights is not None
+        x = x + model.attn_out(layer, step.out)  # (B, D)
+        return x + model.mlp(layer, x)  # (B, D)
 
-        view = self._view(layer, cache, q, query_positions, k, v, weights)
-        for name, array in policy.observe(view).items():
-            cache.set_field(name, array)
-        if budget is not None and len(cache) > budget:
-            self._evict(layer, self._view(layer, cache, q, query_positions, k, v, weights), budget)
-
-        x = x + model.attn_out(layer, out)
-        return x + model.mlp(layer, x)
-
-    def _view(self, layer, cache, q, query_positions, k, v, weights) -> View:
-        return View(layer=layer, n_layers=self.model.config.n_layers, keys=cache.keys, values=cache.values,
-                    positions=cache.positions, fields=dict(cache.fields), queries=q,
-                    query_positions=query_positions, block_keys=k, block_values=v, attention=weights,
-                    budget=self.budget)
+    def _evictor(self, layer: int) -> Callable[[View, int, str], None]:
+        """The ``evict`` callback of :func:`layer_step` for ``layer``: evict, then record the event."""
+        def evict(view: View, keep: int, stage: str) -> None:
+            self._evict(layer, view, keep)
+            if self.trace is not None:
+                after = self.caches[layer].positions  # (Hkv, m), a subset of view.positions per row
+                kept = [np.searchsorted(row, a) for row, a in zip(view.positions, after)]
+                self.trace.evictions.append(Eviction(
+                    block=len(self.trace.kept), layer=layer, stage=stage, positions=view.positions.copy(),
+                    kept=np.asarray(kept, dtype=np.int64).reshape(after.shape),
+                    view=decision_view(view, keep) if self.trace.views else None))
+        return evict
 
     def _evict(self, layer: int, view: View, keep: int) -> None:
         """Shrink ``layer``'s cache to ``keep`` tokens per head with the policy's choice."""
@@ -259,6 +314,103 @@ class Engine:
                 break
             logits = self.forward([token])
         return generated
+
+
+def _check_finite(array: np.ndarray, what: str) -> None:
+    """Raise :class:`~refkv.attention.NonFiniteError` if ``array`` holds NaN or inf.
+
+    Run on each layer's (B, d_model) output and on the logits: a pass over arrays far
+    smaller than the weights that made them, and what stops overflowing weights from
+    turning into NaN logits that greedy decoding would read as token 0.
+    """
+    if not np.isfinite(array).all():
+        bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+        raise NonFiniteError(f"{what} has {bad} non-finite value(s) (NaN or inf): the weights or inputs "
+                             f"overflow {array.dtype}")
+
+
+# -- one layer's step, shared by the engine and the oracle's one-layer replay -------------------------
+def decision_view(view: View, keep: int) -> View:
+    """The view a policy decides on at an eviction that keeps ``keep`` tokens per head."""
+    return replace(view, budget=keep)
+
+
+def step_view(layer: int, n_layers: int, cache: LayerCache, q: np.ndarray, query_positions: np.ndarray,
+              k: np.ndarray, v: np.ndarray, weights: np.ndarray | None, budget: int | None) -> View:
+    """What a policy sees of layer ``layer``'s ``cache`` and the block (q, k, v, weights)."""
+    return View(layer=layer, n_layers=n_layers, keys=cache.keys, values=cache.values, positions=cache.positions,
+                fields=dict(cache.fields), queries=q, query_positions=query_positions, block_keys=k,
+                block_values=v, attention=weights, budget=budget)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What :func:`layer_step` returns.
+
+    Attributes
+    ----------
+    out : (H, B, d)
+        The block's attention outputs.
+    weights : (Hkv, g, B, n) or None
+        The attention weights, when the policy reads them.
+    peak : int
+        Tokens per head in the cache between append and eviction (up to ``N + B``).
+    """
+
+    out: np.ndarray
+    weights: np.ndarray | None
+    peak: int
+
+
+def layer_step(policy: Policy, cache: LayerCache, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, layer: int,
+               n_layers: int, budget: int | None, evict: Callable[[View, int, str], None],
+               key_chunk: int = DEFAULT_KEY_CHUNK, evict_always: bool = False) -> Step:
+    """One layer's attention step under an eviction policy: steps 2-6 of this module's docstring.
+
+    The one place where the order of a layer's step is written; :class:`Engine` and
+    :func:`refkv.oracle.synthetic.replay` both call it.
+
+    Parameters
+    ----------
+    policy : Policy
+    cache : LayerCache
+        The layer's cache; the block is appended to it and it is evicted in place.
+    q : (H, B, d)
+        The block's queries, after RoPE.
+    k, v : (Hkv, B, d)
+        The block's keys (after RoPE) and values.
+    layer, n_layers : int
+        What the views report.
+    budget : int or None
+        ``N``; ``None`` never evicts.
+    evict : callable
+        ``evict(view, keep, stage)`` must shrink ``cache`` to the ``keep`` tokens per head the
+        policy chooses from ``view`` (``view.budget`` is ``N``; see :func:`decision_view`);
+        ``stage`` is ``"before-attention"`` or ``"after-attention"``.
+    key_chunk : int
+        Tile width of the attention route that does not form the weights.
+    evict_always : bool
+        Call ``evict`` at the policy's stage even when the cache fits in the budget (the
+        replay uses it to see the decision of a block that needs no eviction).
+    """
+    b = q.shape[1]
+    query_positions = np.arange(cache.next_position, cache.next_position + b, dtype=np.int64)  # (B,)
+
+    if policy.evict_before_attention and budget is not None and (evict_always or len(cache) + b > budget):
+        evict(step_view(layer, n_layers, cache, q, query_positions, k, v, None, budget), budget - b, "before-attention")
+
+    cache.append(k, v)  # C_i <- [K_{i-1} || k_block]: (Hkv, n + B, d)
+    peak = len(cache)
+    out, weights = attend(q, cache.keys, cache.values, query_positions, cache.positions,
+                          return_weights="attention" in policy.needs, key_chunk=key_chunk)  # (H, B, d)
+
+    observed = step_view(layer, n_layers, cache, q, query_positions, k, v, weights, budget)
+    for name, array in policy.observe(observed).items():
+        cache.set_field(name, array)  # (Hkv, n, ...)
+    after = not policy.evict_before_attention and evict_always
+    if budget is not None and (after or len(cache) > budget):
+        evict(step_view(layer, n_layers, cache, q, query_positions, k, v, weights, budget), budget, "after-attention")
+    return Step(out=out, weights=weights, peak=peak)
 
 
 def blocks(tokens: np.ndarray, block_size: int | None) -> list[np.ndarray]:

@@ -18,6 +18,7 @@ Notes
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -98,8 +99,7 @@ def generate_text(model, tokenizer, prompt: str, *, policy="full", budget: int |
     >>> result.engine.caches[0].positions.shape  # KV heads x N
     (2, 32)
     """
-    if not isinstance(prompt, str):
-        raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+    _check_prompt(prompt)
     if chat and not tokenizer.has_chat_template:
         raise ValueError(f"{tokenizer!r} has no chat template; use chat=False (--raw)")
     ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
@@ -130,6 +130,34 @@ def generate_text(model, tokenizer, prompt: str, *, policy="full", budget: int |
     return Generation(prompt_tokens=list(ids), tokens=new, text="".join(pieces),
                       stopped=bool(new) and new[-1] in stop_ids, prefill_seconds=middle - start,
                       decode_seconds=time.perf_counter() - middle, engine=engine)
+
+
+def _check_prompt(prompt) -> None:
+    """Refuse a prompt that is not text, or holds bytes that were not UTF-8.
+
+    Python hands over undecodable bytes of ``argv`` (and of stdin read with
+    ``surrogateescape``) as lone surrogates ``U+DC80..U+DCFF``; the message shows the byte
+    and its offset in the prompt as the user gave it (before any chat template wraps it).
+    """
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+    match = _SURROGATE.search(prompt)
+    if match is None:
+        return
+    code = ord(match.group())
+    offset = len(prompt[:match.start()].encode("utf-8"))  # the first bad character: the prefix is clean
+    if 0xDC80 <= code <= 0xDCFF:
+        raise ValueError(f"prompt is not valid UTF-8: byte 0x{code - 0xDC00:02x} at byte {offset} of the prompt")
+    raise ValueError(f"prompt is not valid Unicode: lone surrogate U+{code:04X} at byte {offset} of the prompt")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _read_stdin() -> str:
+    """Standard input as text; bytes that are not UTF-8 become lone surrogates (then refused)."""
+    raw = getattr(sys.stdin, "buffer", None)
+    return sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
 
 
 # -- the command ---------------------------------------------------------------------------
@@ -184,19 +212,18 @@ def _read_prompt(args) -> str:
                 return f.read()
         except (OSError, UnicodeDecodeError) as err:
             raise ValueError(f"--prompt-file {args.prompt_file!r} cannot be read: {err}") from None
-    return sys.stdin.read() if args.prompt == "-" else args.prompt
+    return _read_stdin() if args.prompt == "-" else args.prompt
 
 
 def _cmd_generate(args) -> int:
     from .cli import _ANY_DEPTH, check_policy_arguments, check_policy_for_model, evicted_summary
     from .model.config import TINY
-
-    _ANY_DEPTH_CONFIG = TINY.replace(n_layers=_ANY_DEPTH)
     from .threads import blas_threads, choose_threads
     from .validation import check_int
 
     check_int("--max-new-tokens", args.max_new_tokens, 0)
     prompt = _read_prompt(args)
+    _check_prompt(prompt)  # before loading the model: a bad byte fails at once
     if not prompt.strip():
         raise ValueError("the prompt must not be empty")
     tiny = None
@@ -206,7 +233,8 @@ def _cmd_generate(args) -> int:
     if args.block is None and args.budget is not None:
         # Every word is at least one token, so a prompt of more words than a policy's block
         # limit is refused now; the exact count is checked once the tokenizer is read.
-        check_policy_for_model(policy, args, tiny or _ANY_DEPTH_CONFIG, len(prompt.split()), at_least=True)
+        check_policy_for_model(policy, args, tiny or TINY.replace(n_layers=_ANY_DEPTH), len(prompt.split()),
+                               at_least=True)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     from .model.loading import load_with_tokenizer
 

@@ -16,7 +16,9 @@ SMALL = ModelConfig(vocab_size=262, d_model=64, n_layers=2, n_heads=4, n_kv_head
 
 def assert_same_weights(a, b, atol=0.0):
     pairs = [(a.embed, b.embed), (a.final_norm, b.final_norm)]
-    pairs += [(getattr(la, f), getattr(lb, f)) for la, lb in zip(a.layers, b.layers) for f in vars(la)]
+    for la, lb in zip(a.layers, b.layers):
+        assert set(la.arrays()) == set(lb.arrays())
+        pairs += [(la.arrays()[f], lb.arrays()[f]) for f in la.arrays()]
     for x, y in pairs:
         np.testing.assert_allclose(x, y, rtol=0, atol=atol)
 
@@ -126,8 +128,16 @@ def test_tokenizer_json_is_read(tmp_path, weights):
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"model_type": "gpt2", "architectures": []}, "model_type 'gpt2'"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "RoPE scaling"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"RoPE type 'dynamic' \(rope_scaling.rope_type\)"),
+    ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, r"RoPE type 'yarn' \(rope_scaling.rope_type\)"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, r"rope_parameters\.factor is missing"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "RoPE type 'longrope'"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, r"sliding-window attention \(use_sliding_window"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"model_type": "qwen2_moe"}, "mixture-of-experts.*'model_type'"),
+    ({"model_type": "llama", "num_local_experts": 8}, "mixture-of-experts.*'num_local_experts'"),
+    ({"mlp_bias": True}, r"MLP biases \(mlp_bias"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"hidden_act": "gelu"}, "SiLU"),
     ({"intermediate_size": 80}, r"has shape \(96, 64\), config implies \(80, 64\)"),
 ])
@@ -168,3 +178,28 @@ def test_truncated_and_corrupt_files(tmp_path, weights):
     path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
     with pytest.raises(CheckpointError, match="dtype I64"):
         read_safetensors(path)
+
+
+def test_tokenizer_json_splits_by_its_own_rules(tmp_path, weights):
+    """A Llama 3-style pre-tokenizer (numbers in runs of up to 3 digits) is used as the file says."""
+    pytest.importorskip("gguf")
+    tokenizers = pytest.importorskip("tokenizers")
+    from test_gguf import write_gguf
+
+    from refkv.model import Tokenizer
+
+    write_gguf(tmp_path / "small.gguf")
+    backend = Tokenizer.from_gguf(tmp_path / "small.gguf").backend
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+        tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"\p{N}{1,3}"), behavior="isolated"),
+        tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    write_checkpoint(tmp_path / "ckpt", weights)
+    backend.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    _, tok = load_with_tokenizer(tmp_path / "ckpt")
+    text = "the 12345 others"
+    theirs = tokenizers.Tokenizer.from_file(str(tmp_path / "ckpt" / "tokenizer.json")).encode(text).ids
+    assert tok.encode(text) == theirs
+    assert tok.decode(theirs) == text
+    # the splitting rule itself is the file's (GPT-2's would be a ByteLevel with its own regex)
+    file_spec = json.loads((tmp_path / "ckpt" / "tokenizer.json").read_text())
+    assert json.loads(tok.backend.to_str())["pre_tokenizer"] == file_spec["pre_tokenizer"]

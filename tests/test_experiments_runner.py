@@ -252,3 +252,50 @@ def test_summaries_write_tables_without_matplotlib(tmp_path, monkeypatch):
     runner.run(get_experiment("perplexity"), Settings(quick=True, model="tiny"), out=tmp_path, stream=io.StringIO())
     written = sorted(p.name for p in (tmp_path / "perplexity").iterdir())
     assert written == ["ppl.csv"]
+
+
+@pytest.mark.slow
+def test_dask_local_cluster_gives_the_same_records_as_serial(tmp_path):
+    """The quick grid (tiny model) on a Dask LocalCluster: the same records as a serial run,
+    byte for byte in everything but the timings, host facts and finishing times."""
+    pytest.importorskip("distributed", reason="Dask sweeps need the sweeps extra")
+    from refkv.experiments import get_experiment
+    from refkv.experiments.cluster import dask_executor
+
+    experiments = [get_experiment("passkey"), get_experiment("perplexity")]
+    settings = Settings(quick=True, model="tiny", dtype="float64")
+    serial = runner.run(experiments, settings, out=tmp_path / "serial", jobs=1, summarise=False,
+                        stream=io.StringIO())
+    with dask_executor("local", n_workers=2) as executor:
+        dask = runner.run(experiments, settings, out=tmp_path / "dask", summarise=False, stream=io.StringIO(),
+                          executor=executor)
+    varying = {"wall_time_s", "cpu_time_s", "finished_utc"}
+    for name in ("passkey", "perplexity"):
+        assert len(serial[name]) == len(dask[name]) > 0
+
+        def canonical(records):
+            return sorted(json.dumps({k: v for k, v in r.items() if k not in varying}, sort_keys=True)
+                          for r in records)
+
+        assert canonical(serial[name]) == canonical(dask[name])
+    # A resumed run on the same folder finds every cell finished and submits nothing.
+    with dask_executor("local", n_workers=1) as executor:
+        out = io.StringIO()
+        runner.run(experiments, settings, out=tmp_path / "dask", summarise=False, stream=out, executor=executor)
+    assert "0 to run" in out.getvalue()
+
+
+@pytest.mark.parametrize("bad", ["", "localhost:8786", "http://x:1", 3])
+def test_scheduler_address_is_checked(bad):
+    from refkv.experiments.cluster import check_scheduler
+
+    with pytest.raises(ValueError, match="scheduler must be 'local' or a Dask scheduler address"):
+        check_scheduler(bad)
+
+
+def test_cli_scheduler_error_exits_2(tmp_path, capsys):
+    code = main(["experiment", "passkey", "--quick", "--model", "tiny", "--scheduler", "nowhere",
+                 "--out", str(tmp_path / "r")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "scheduler must be" in err and "Traceback" not in err

@@ -50,9 +50,13 @@ def small_vocab():
 
 
 def write_gguf(path, cfg=SMALL, weights=None, *, qtype="F32", arch="llama", skip=(), shapes=None,
-               extra=None, vocab=True, raw_types=None):
+               extra=None, vocab=True, raw_types=None, rope_freqs=None, pre="smollm"):
     """Write ``weights`` (refkv layout) as a llama.cpp-style GGUF file and return the weights.
 
+    As llama.cpp's converter does: q/k rows (and q/k biases) permuted for interleaved RoPE
+    for ``arch="llama"`` only (its ``LlamaModel``; ``Qwen2Model`` and ``Qwen3Model`` write
+    them unchanged); biases as ``attn_{q,k,v,output}.bias``, Qwen3's norms as
+    ``attn_{q,k}_norm.weight``; ``rope_freqs`` (Llama 3 scaling) as ``rope_freqs.weight``.
     ``skip`` leaves tensors out, ``shapes`` replaces a tensor by zeros of another
     (out, in) shape, ``raw_types`` stores a tensor as zero bytes of another GGML type,
     ``extra`` adds or overrides metadata (key -> (kind, value)).
@@ -68,13 +72,16 @@ def write_gguf(path, cfg=SMALL, weights=None, *, qtype="F32", arch="llama", skip
         f"{arch}.attention.layer_norm_rms_epsilon": ("float32", cfg.norm_eps),
         f"{arch}.vocab_size": ("uint32", cfg.vocab_size), f"{arch}.rope.dimension_count": ("uint32", cfg.d_head),
     }
+    if cfg.n_heads * cfg.d_head != cfg.d_model:  # as the converter writes Hugging Face's head_dim
+        meta.update({f"{arch}.attention.key_length": ("uint32", cfg.d_head),
+                     f"{arch}.attention.value_length": ("uint32", cfg.d_head)})
     meta.update(extra or {})
     for key, (kind, value) in meta.items():
         getattr(writer, f"add_{kind}")(key, value)
     if vocab:
         tokens, types, merges = small_vocab()
         writer.add_string("tokenizer.ggml.model", "gpt2")
-        writer.add_string("tokenizer.ggml.pre", "smollm")
+        writer.add_string("tokenizer.ggml.pre", pre)
         writer.add_array("tokenizer.ggml.tokens", tokens)
         writer.add_array("tokenizer.ggml.token_type", types)
         writer.add_array("tokenizer.ggml.merges", merges)
@@ -82,17 +89,29 @@ def write_gguf(path, cfg=SMALL, weights=None, *, qtype="F32", arch="llama", skip
         writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
         writer.add_bool("tokenizer.ggml.add_bos_token", False)
 
+    def rope_rows(w, heads):  # (out, ...) rows in llama.cpp's order for its architecture
+        return llama_cpp_permute(w, heads) if arch == "llama" else w
+
     tensors = {"token_embd.weight": weights.embed, "output_norm.weight": weights.final_norm}
     for i, lw in enumerate(weights.layers):
         b = f"blk.{i}."
         tensors.update({
             b + "attn_norm.weight": lw.attn_norm, b + "ffn_norm.weight": lw.mlp_norm,
-            b + "attn_q.weight": llama_cpp_permute(lw.wq.T, cfg.n_heads),
-            b + "attn_k.weight": llama_cpp_permute(lw.wk.T, cfg.n_kv_heads),
+            b + "attn_q.weight": rope_rows(lw.wq.T, cfg.n_heads),
+            b + "attn_k.weight": rope_rows(lw.wk.T, cfg.n_kv_heads),
             b + "attn_v.weight": lw.wv.T, b + "attn_output.weight": lw.wo.T,
             b + "ffn_gate.weight": lw.w_gate.T, b + "ffn_up.weight": lw.w_up.T, b + "ffn_down.weight": lw.w_down.T})
+        if lw.bq is not None:
+            tensors.update({b + "attn_q.bias": rope_rows(lw.bq, cfg.n_heads),
+                            b + "attn_k.bias": rope_rows(lw.bk, cfg.n_kv_heads), b + "attn_v.bias": lw.bv})
+        if lw.bo is not None:
+            tensors[b + "attn_output.bias"] = lw.bo
+        if lw.q_norm is not None:
+            tensors.update({b + "attn_q_norm.weight": lw.q_norm, b + "attn_k_norm.weight": lw.k_norm})
     if weights.lm_head is not None:
         tensors["output.weight"] = weights.lm_head.T
+    if rope_freqs is not None:
+        tensors["rope_freqs.weight"] = np.asarray(rope_freqs, dtype=np.float32)
     for name, array in tensors.items():
         if name in skip:
             continue
@@ -286,7 +305,8 @@ def test_tensor_shape_disagrees_with_metadata(tmp_path):
 def test_metadata_disagrees_with_tensors(tmp_path):
     path = tmp_path / "bad_meta.gguf"
     write_gguf(path, extra={"llama.attention.head_count_kv": ("uint32", 4)})
-    with pytest.raises(GGUFError, match=r"attn_k\.weight' has shape"):
+    with pytest.raises(GGUFError, match=r"head_count_kv = 4 and head width 16 imply 64 rows of blk\.0\.attn_k\.weight; "
+                                        r"the file has 32"):
         read_gguf(path)
 
 
@@ -304,10 +324,25 @@ def test_missing_metadata_key(tmp_path):
         read_gguf(path)
 
 
-def test_rope_scaling_is_refused(tmp_path):
+def test_rope_scaling_other_than_linear_is_refused_by_key(tmp_path):
     path = tmp_path / "scaled.gguf"
-    write_gguf(path, extra={"llama.rope.scaling.type": ("string", "linear")})
-    with pytest.raises(GGUFError, match="RoPE scaling 'linear'"):
+    write_gguf(path, extra={"llama.rope.scaling.type": ("string", "yarn")})
+    with pytest.raises(GGUFError, match=r"RoPE scaling 'yarn' \(llama\.rope\.scaling\.type\)"):
+        read_gguf(path)
+
+
+def test_linear_rope_scaling_is_read(tmp_path):
+    path = tmp_path / "linear.gguf"
+    write_gguf(path, extra={"llama.rope.scaling.type": ("string", "linear"),
+                            "llama.rope.scaling.factor": ("float32", 4.0)})
+    cfg = read_gguf(path, weights=False).config
+    assert (cfg.rope_type, cfg.rope_factor) == ("linear", 4.0)
+
+
+def test_mixture_of_experts_is_refused_by_key(tmp_path):
+    path = tmp_path / "moe.gguf"
+    write_gguf(path, extra={"llama.expert_count": ("uint32", 8)})
+    with pytest.raises(GGUFError, match=r"mixture-of-experts.*llama\.expert_count = 8"):
         read_gguf(path)
 
 
@@ -320,8 +355,8 @@ def test_partial_rope_is_refused(tmp_path):
 
 def test_invalid_config_in_metadata(tmp_path):
     path = tmp_path / "heads.gguf"
-    write_gguf(path, extra={"llama.attention.head_count_kv": ("uint32", 3)})
-    with pytest.raises(GGUFError, match="n_heads must be a multiple of n_kv_heads"):
+    write_gguf(path, extra={"llama.rope.freq_base": ("float32", 1.0)})
+    with pytest.raises(GGUFError, match=r"llama\.rope\.freq_base must be a finite number in \(1, inf\), got 1\.0"):
         read_gguf(path)
 
 
@@ -337,3 +372,18 @@ def test_non_finite_weights_are_refused(tmp_path):
 def test_bad_dtype(tmp_path):
     with pytest.raises(ValueError, match="float32 or float64"):
         read_gguf(tmp_path / "x.gguf", np.int32)
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_pre_tokenizers_refkv_does_not_rebuild_are_refused(tmp_path, pre):
+    """Llama 3 and Qwen2 split text by their own regexes: no silent GPT-2 splitting in their place."""
+    pytest.importorskip("tokenizers")
+    from refkv.model import Tokenizer, load_with_tokenizer
+
+    path = tmp_path / "other.gguf"
+    write_gguf(path, pre=pre)
+    with pytest.raises(ValueError, match=f"tokenizer.ggml.pre '{pre}' is not implemented.*checkpoint directory"):
+        Tokenizer.from_gguf(path)
+    with pytest.raises(ValueError, match=f"'{pre}'"):
+        load_with_tokenizer(path)
+    assert read_gguf(path, weights=False).vocab.pre == pre  # the model itself still loads

@@ -126,8 +126,9 @@ def _reference(before=False):
     scores[2, 1, 0] = [5.0, 1.0, 3.0]
     arrays = {"kept": kept, "kept_count": counts, "candidates": cands, "candidate_count": cand_n,
               "scores": scores, "protected": np.zeros((3, 2, 1, 3), dtype=bool), "logits": np.array([0.5, -1.0])}
-    manifest = {"tolerance": {"scores": {"rtol": 0.0, "atol": 1e-9}, "logits": {"rtol": 0.0, "atol": 1e-9}},
-                "policy": {"evict_before_attention": before}}
+    # Own-scale tolerances: tol_i = rtol * max(|s_i|, median |s| of the decision) (atol is not used).
+    manifest = {"tolerance": {"scores": {"rtol": 1e-9, "atol": 0.0}, "logits": {"rtol": 1e-9, "atol": 0.0}},
+                "policy": {"evict_before_attention": before}, "dtype": "float64"}
     return arrays, manifest
 
 
@@ -160,8 +161,10 @@ def test_end_to_end_failure_names_block_layer_head_positions_and_scores():
     kept[2, 1, 0] = [0, 1]  # layer 1: 1.0 instead of 3.0
     r = compare_end_to_end(_candidate(ref, kept=kept), ref, man)
     assert not r.ok
+    # Layer 1's scores are (5, 1, 3), median 3: each tolerance is 1e-9 * max(|s|, 3) = 3e-9.
     assert r.failure == ("block 2, layer 1, head 0: candidate keeps position 1 (reference score 1) instead of "
-                         "position 2 (reference score 3); |difference| 2 > tolerance 1e-09")
+                         "position 2 (reference score 3); |difference| 2 > tolerance 6e-09 "
+                         "[float64 tolerance at the two scores' own scale]")
 
 
 def test_end_to_end_tie_makes_downstream_decisions_and_logits_unchecked():
@@ -204,3 +207,170 @@ def test_strict_ties_turn_a_tie_into_a_failure():
     kept[2, 0, 0] = [0, 1]
     r = compare_end_to_end(_candidate(ref, kept=kept), ref, man, strict_ties=True)
     assert not r.ok and r.failure.startswith("strict ties: block 2, layer 0, head 0")
+
+
+# -- final-cache form ----------------------------------------------------------------------------
+def _final(arrays, kept=None):
+    kept = arrays["kept"] if kept is None else kept
+    return {"kept": kept[-1].copy(), "kept_count": arrays["kept_count"][-1].copy(), "logits": arrays["logits"]}
+
+
+def test_final_only_identical_cache_passes_and_says_which_form_ran():
+    ref, man = _reference()
+    r = compare_end_to_end(_final(ref), ref, man, final_only=True)
+    assert r.ok and r.form == "final only" and r.decisions == 2 and r.logits.startswith("max |diff|")
+    assert compare_end_to_end(_candidate(ref), ref, man).form == "per block"
+
+
+def test_final_only_explains_a_difference_by_the_evicting_decision():
+    ref, man = _reference()
+    kept = ref["kept"].copy()
+    kept[2, 0, 0] = [0, 1]  # near tie (1.0 vs 1.0 + 1e-12) at block 2, layer 0
+    r = compare_end_to_end(_final(ref, kept), ref, man, final_only=True)
+    assert r.ok and len(r.ties) == 1
+    assert r.ties[0].where == "final cache, layer 0, head 0 (reference eviction at block 2)"
+    kept[2, 1, 0] = [0, 1]  # 1.0 instead of 3.0 at layer 1: a real difference
+    r = compare_end_to_end(_final(ref, kept), ref, man, final_only=True)
+    assert not r.ok and r.failure.startswith("final cache, layer 1, head 0 (reference eviction at block 2): "
+                                             "candidate keeps position 1 (reference score 1) instead of position 2")
+
+
+def test_final_only_is_weaker_than_the_per_block_check():
+    # A candidate that kept another token in block 1 but ends with the reference's cache:
+    # the per-block form sees it, the final-only form cannot.
+    ref, man = _reference()
+    kept = ref["kept"].copy()
+    kept[1, 0, 0] = [0, 5]
+    assert not compare_end_to_end(_candidate(ref, kept=kept), ref, man).ok
+    assert compare_end_to_end(_final(ref, kept), ref, man, final_only=True).ok
+
+
+# -- declarations -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def snapkv_case():
+    from pathlib import Path
+
+    from refkv.testing import load_cases
+    return load_cases(Path(__file__).parent / "golden", policy="snapkv", dtype="float32")[0]
+
+
+def test_declared_positive_multiple_accepts_a_mean_and_reports_it(snapkv_case):
+    from refkv.oracle.compare import compare_case
+
+    out = snapkv_case.outputs
+    mean = out["scores"] * np.float32(0.25)  # kvpress: the mean over a window of 4 queries, not their sum
+    r = compare_case({"scores": mean, "kept": out["kept"]}, snapkv_case)
+    assert not r.ok and r.messages[0].startswith("scores: values differ")
+    r = compare_case({"scores": mean, "kept": out["kept"]}, snapkv_case, declare={"scores": "positive_multiple"})
+    assert r.ok and r.notes[0] == "declared scores=positive_multiple (argument)"
+    spoiled = mean.copy()
+    spoiled[0, 0] *= 3
+    r = compare_case({"scores": spoiled}, snapkv_case, declare={"scores": "positive_multiple"})
+    assert not r.ok and "declared positive_multiple" in r.messages[0]
+
+
+def test_declared_pinned_columns_are_not_compared_but_kept_sets_are(snapkv_case):
+    from refkv.oracle.compare import compare_case
+
+    out = snapkv_case.outputs
+    padded = np.where(out["protected"], out["scores"].max() + 1, out["scores"])  # kvpress pins protected tokens
+    assert not compare_case({"scores": padded}, snapkv_case).ok
+    r = compare_case({"scores": padded, "kept": out["kept"]}, snapkv_case, declare={"pinned": "protected"})
+    assert r.ok and "declared pinned=protected (argument)" in r.notes
+    positions = snapkv_case.inputs["positions"][out["protected"]]
+    r = compare_case({"scores": padded}, snapkv_case, declare={"pinned": sorted(set(positions.tolist()))})
+    assert r.ok
+    wrong_kept = out["kept"].copy()
+    wrong_kept[0, -1] = next(c for c in range(out["scores"].shape[1]) if c not in out["kept"][0])
+    wrong_kept.sort(axis=1)
+    r = compare_case({"scores": padded, "kept": wrong_kept}, snapkv_case, declare={"pinned": "protected"})
+    assert not r.ok and r.messages[0].startswith("kept:")
+
+
+def test_declared_kept_only_ignores_scores_and_bad_declarations_are_refused(snapkv_case):
+    from refkv.oracle.compare import compare_case
+
+    out = snapkv_case.outputs
+    r = compare_case({"scores": out["scores"] * 0, "kept": out["kept"]}, snapkv_case, declare={"kept_only": True})
+    assert r.ok and r.notes == ["declared kept_only=true (argument)"]
+    with pytest.raises(ValueError, match=r"declare has unknown key.*'scale'"):
+        compare_case({"kept": out["kept"]}, snapkv_case, declare={"scale": 2})
+    with pytest.raises(ValueError, match="declare scores must be one of"):
+        compare_case({"kept": out["kept"]}, snapkv_case, declare={"scores": "linear"})
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        compare_case({"kept": out["kept"]}, snapkv_case, dtype="int8")
+
+
+# -- folders and the command line ------------------------------------------------------------------------
+def _oneshot_folder(folder, policy="tova"):
+    from refkv import policies
+    from refkv.oracle.io import write_json
+    from refkv.oracle.synthetic import random_tokens, replay
+    from refkv.oracle.vectors import encode_case, json_params, vectors_document
+
+    pol = policies.get(policy)
+    cases = []
+    for i in range(2):
+        tokens = random_tokens(np.random.default_rng(i), 4, 2, 8, 20, np.float32)
+        view = replay(pol, tokens, block_size=20, budget=8)
+        cases.append(encode_case(pol, view, case_id=i + 1, comment="one-shot"))
+    write_json(folder / f"{policy}.json", vectors_document(policy, [(json_params(pol.params()), cases)]))
+
+
+def _run(capsys, *argv):
+    from refkv.cli import main
+
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_check_accepts_a_folder_of_case_files_without_suite_json(tmp_path, capsys):
+    from refkv.oracle.io import write_json
+    from refkv.oracle.vectors import candidate_document, read_vectors
+
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    _oneshot_folder(ref)
+    cases = read_vectors(ref / "tova.json").cases
+    cand = tmp_path / "cand"
+    doc = candidate_document("tova", {c.id: {"kept": c.outputs["kept"]} for c in cases})
+    doc["computed_dtype"] = "bfloat16"
+    doc["declare"] = {"scores": "monotone"}
+    write_json(cand / "tova.json", doc)
+    code, out = _run(capsys, "golden", "check", str(cand), "--against", str(ref), "--verbose")
+    assert code == 0, out
+    assert "the reference has no suite.json" in out and "computed dtype bfloat16 (candidate file)" in out
+    assert "declared scores=monotone (candidate file)" in out
+    code, out = _run(capsys, "golden", "check", str(cand), "--against", str(ref), "--verbose",
+                     "--declare", "scores=exact", "--kept-only", "--dtype", "float16")
+    assert code == 0
+    assert "declared scores=exact (command line)" in out and "overridden: scores=monotone (candidate file)" in out
+    assert "declared kept_only=true (command line)" in out
+    assert "computed dtype float16 (command line); overrides the candidate file's bfloat16" in out
+    code, out = _run(capsys, "golden", "check", str(cand), "--against", str(ref), "--declare", "bogus=1")
+    assert code == 2 and "--declare must be KEY=VALUE" in out
+    code, out = _run(capsys, "golden", "check", str(cand), "--against", str(ref), "--dtype", "int8")
+    assert code == 2 and "--dtype must be one of 'float64', 'float32', 'bfloat16', 'float16', got 'int8'" in out
+
+
+def test_check_final_only_from_the_command_line(tmp_path, capsys):
+    import shutil
+    from pathlib import Path
+
+    from refkv.oracle.io import read_npz, write_npz
+
+    golden = Path(__file__).parent / "golden"
+    rel = "e2e/h2o/N8-B4-float64"
+    cand = tmp_path / "cand"
+    shutil.copytree(golden / "e2e" / "h2o", cand / "e2e" / "h2o")
+    ref = read_npz(golden / f"{rel}.npz")
+    write_npz(cand / f"{rel}.npz", {"kept": ref["kept"][-1], "kept_count": ref["kept_count"][-1],
+                                    "logits": ref["logits"]})
+    argv = ["golden", "check", str(cand), "--against", str(golden), "--policies", "h2o", "--kind", "e2e",
+            "--allow-missing", "--verbose"]
+    code, out = _run(capsys, *argv, "--final-only")
+    assert code == 0, out
+    assert "form: final only (weaker: only the final cache is compared)" in out
+    code, out = _run(capsys, *argv)
+    assert code == 1 and f"FAIL {rel}.json" in out

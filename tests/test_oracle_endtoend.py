@@ -142,3 +142,39 @@ def test_exported_weights_are_the_builtin_model(tmp_path):
     assert m["arrays"]["contents"]["layers.0.wq"]["shape"] == [64, 64]
     with pytest.raises(ValueError, match=r"must end in .npz"):
         export_weights(tmp_path / "w.bin")
+
+
+@pytest.mark.slow
+def test_a_model_is_added_to_the_suite_with_one_entry(monkeypatch, tmp_path):
+    # The end-to-end model list is data: name -> builder. A second model (here the tiny one
+    # with other weights, standing in for a tiny model of another architecture) adds its own
+    # goldens, named after it, that check against themselves.
+    from refkv.oracle import check_suite, endtoend, generate_suite, suite
+
+    monkeypatch.setitem(endtoend.MODELS, "other", lambda seed, dtype: builtin_model(seed=seed + 7, dtype=dtype))
+    monkeypatch.setattr(suite, "E2E_MODELS", ("tiny", "other"))
+    index = generate_suite(tmp_path, ["sink"])
+    other = [e["path"] for e in index["files"] if "/other-" in e["path"]]
+    assert "e2e/sink/other-N16-Ball-float64.json" in other and "e2e/sink/other-N8-B4-float64.json" in other
+    tiny = read_end_to_end(tmp_path / "e2e/sink/N8-B4-float64.json")
+    g = read_end_to_end(tmp_path / "e2e/sink/other-N8-B4-float64.json")
+    assert g.manifest["model"]["builder"] == "other" and tiny.manifest["model"]["builder"] == "tiny"
+    assert not np.array_equal(g.arrays["logits"], tiny.arrays["logits"])  # other weights ran
+    assert index["models"] == ["tiny", "other"] and check_suite(tmp_path, tmp_path).ok
+    with pytest.raises(ValueError, match="model must be one of"):
+        run_end_to_end(policies.get("sink"), budget=8, block_size=4, model="nosuch")
+
+
+def test_one_shot_goldens_attend_over_the_whole_prompt_then_evict_once_per_layer():
+    oneshot = [p for p in E2E_FILES if json.loads(p.read_text())["mode"] == "oneshot"]
+    assert len(oneshot) >= 18  # float64 and float32 for every policy that runs one-shot
+    for path in oneshot:
+        g = read_end_to_end(path)
+        m, a = g.manifest, g.arrays
+        t = m["prompt"]["length"]
+        assert m["block_size"] is None and m["n_blocks"] == 1, path
+        if m["budget"] is None:
+            continue
+        assert m["budget"] < t and m["evictions"] == m["model"]["config"]["n_layers"], path
+        assert (a["candidate_count"] == t).all() and (a["kept_count"] == m["budget"]).all(), path
+        assert (a["candidates"][0, :, :, :t] == np.arange(t)).all(), path

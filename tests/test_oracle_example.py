@@ -58,3 +58,21 @@ def test_the_page_shows_what_the_example_prints(example, capsys):
     for name, body in blocks:
         shown = "\n".join(line[3:] for line in body.splitlines())
         assert shown in printed, f"docs/oracle/example.rst block {name!r} is stale; rerun the example and paste"
+
+
+def test_the_one_shot_workflow_of_the_docs_runs(tmp_path):
+    spec = importlib.util.spec_from_file_location("oneshot_cases", ROOT / "docs" / "oracle" / "oneshot_cases.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = module.write_cases(tmp_path)
+    assert module.check_kernel(path, module.refkv_as_kernel) == 2
+
+    def wrong(case):  # SnapKV with a window of w + 1: a wrong kernel the cases must reject
+        import refkv.policies as pol
+
+        policy = pol.get("snapkv", window=case.params["window"] + 1)
+        view = case.view()
+        return {"scores": policy.score(view), "kept": policy.keep_indices(view, case.budget)}
+
+    with pytest.raises(AssertionError, match="scores differ"):
+        module.check_kernel(path, wrong)

@@ -3,6 +3,7 @@
 import json
 import pathlib
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -10,17 +11,16 @@ import pytest
 from refkv.cli import main
 from refkv.oracle import check_suite, generate_suite, read_suite
 from refkv.oracle.io import read_npz, write_json, write_npz
-from refkv.oracle.suite import library_policies
+from refkv.oracle.suite import REGENERATION_BOUND, library_policies, regeneration_differences
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 REGENERATE = "regenerate with: refkv golden generate --out tests/golden"
-VERSION_FIELDS = {"refkv_version", "numpy_version"}
 
 
 def test_the_suite_is_intact_and_small():
     index = read_suite(GOLDEN)  # verifies every file's sha256
     size = sum(f.stat().st_size for f in GOLDEN.rglob("*") if f.is_file())
-    assert size < 2_000_000, f"the committed suite is {size} bytes"
+    assert size < 4_000_000, f"the committed suite is {size} bytes"
     listed = {e["path"] for e in index["files"]}
     on_disk = {str(p.relative_to(GOLDEN)) for p in GOLDEN.rglob("*.json")} - {"suite.json"}
     assert listed == on_disk
@@ -36,58 +36,58 @@ def test_every_registered_policy_has_goldens():
         assert "vectors" in kinds, name
 
 
-def _differences(a, b, where=""):
-    """Every difference between two JSON documents (version fields and checksums aside)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for key in sorted(set(a) | set(b)):
-            if key in VERSION_FIELDS or key in ("sha256", "npz_sha256"):
-                continue
-            if key not in a or key not in b:
-                out.append(f"{where}.{key}: only in one")
-            else:
-                out += _differences(a[key], b[key], f"{where}.{key}")
-        return out
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]")]
-    if a == b:
-        return []
-    if isinstance(a, float) and isinstance(b, float):
-        return [f"{where}: {a!r} vs {b!r} (relative {abs(a - b) / max(abs(a), abs(b)):.1e})"]
-    return [f"{where}: {a!r} vs {b!r}"]
-
-
-def test_regenerating_the_suite_changes_nothing(tmp_path):
-    # Content, not bytes: the version strings and the checksums over them may differ on
-    # another machine; every number, case, position and flag must not. The message says
-    # whether only the last bits of floats moved (a refactoring changed rounding) or
-    # decisions changed (behaviour): regenerate only if that change is intended.
+@pytest.mark.slow
+def test_regenerating_the_suite_gives_the_same_decisions_and_floats_within_the_stated_bound(tmp_path):
+    # Portable: on another CPU or BLAS the last bits of floats may move, so the condition is
+    # identical decisions (kept positions, protected masks, flags, counts, strings) and
+    # floats within the bound suite.json states (far below the check tolerances); both
+    # sides are printed when it fails. Regenerate only if a change is intended.
+    start = time.perf_counter()
     generate_suite(tmp_path)
-    old = sorted(p.relative_to(GOLDEN) for p in GOLDEN.rglob("*") if p.is_file())
-    new = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
-    assert old == new, REGENERATE
-    problems = []
-    for rel in old:
-        if rel.suffix == ".json":
-            a, b = json.loads((GOLDEN / rel).read_text()), json.loads((tmp_path / rel).read_text())
-            problems += [f"{rel}{d}" for d in _differences(a, b)]
-            continue
-        a, b = read_npz(GOLDEN / rel), read_npz(tmp_path / rel)
-        for name in sorted(set(a) | set(b)):
-            x, y = a.get(name), b.get(name)
-            if x is None or y is None or x.dtype != y.dtype or x.shape != y.shape:
-                problems.append(f"{rel}:{name}: missing, or dtype/shape changed")
-            elif not np.array_equal(x, y, equal_nan=True):
-                if x.dtype.kind == "f":
-                    with np.errstate(invalid="ignore"):
-                        rel_diff = np.nanmax(np.abs(x - y) / np.maximum(np.abs(x), 1e-300))
-                    problems.append(f"{rel}:{name}: floats differ (max relative {rel_diff:.1e})")
-                else:
-                    problems.append(f"{rel}:{name}: values differ (decisions changed)")
-    assert not problems, f"{len(problems)} differences, first: " + "; ".join(problems[:5]) + f"; {REGENERATE}"
-    if json.loads((GOLDEN / "suite.json").read_text())["numpy_version"] == np.__version__:
-        for rel in old:  # same versions: byte for byte
-            assert (GOLDEN / rel).read_bytes() == (tmp_path / rel).read_bytes(), rel
+    seconds = time.perf_counter() - start
+    bound = read_suite(GOLDEN, verify=False)["regeneration"]["float_bound"]
+    assert bound == REGENERATION_BOUND
+    diff = regeneration_differences(GOLDEN, tmp_path)
+    assert not diff.decisions, (f"{len(diff.decisions)} decisions changed:\n" + "\n".join(diff.decisions[:20])
+                                + f"\n{REGENERATE}")
+    beyond = diff.beyond(bound)
+    assert not beyond, "\n".join(f"{where}: scaled difference {d:.2e} > {bound[diff.kind(where)][dtype]} ({dtype})\n"
+                                 f"  committed:   {_short(a)}\n  regenerated: {_short(b)}"
+                                 for where, d, dtype, a, b in beyond[:10]) + f"\n{REGENERATE}"
+    print(f"regenerated in {seconds:.1f} s; largest scaled float differences: " + ", ".join(
+        f"{kind} {dtype} {diff.largest(dtype, kind):.1e}" for kind in bound for dtype in bound[kind]))
+
+
+def _short(x) -> str:
+    return np.array2string(np.asarray(x, dtype=np.float64).ravel()[:8], precision=17) + " ..."
+
+
+def test_regeneration_compares_decisions_exactly_and_floats_by_the_bound(tmp_path):
+    # The comparison itself can fail: a flipped kept position is a decision, a float moved
+    # by 1e-8 is beyond the float64 end-to-end bound (1e-10), one moved by 1e-13 is within it.
+    for sub in ("a", "b"):
+        shutil.copytree(GOLDEN / "e2e" / "sink", tmp_path / sub / "e2e" / "sink")
+    rel = "e2e/sink/N8-B4-float64.npz"  # float64 end to end: bound 1e-10
+    arrays = read_npz(tmp_path / "b" / rel)
+    arrays["logits"] = arrays["logits"] * (1 + 1e-13)
+    write_npz(tmp_path / "b" / rel, arrays)
+    diff = regeneration_differences(tmp_path / "a", tmp_path / "b")
+    assert not diff.decisions and not diff.beyond(REGENERATION_BOUND) and diff.largest("float64") > 0
+    arrays["logits"] = arrays["logits"] * (1 + 1e-8)
+    k = arrays["kept"]
+    k[-1, 0, 0, 0] += 1
+    write_npz(tmp_path / "b" / rel, arrays)
+    diff = regeneration_differences(tmp_path / "a", tmp_path / "b")
+    assert [d for d in diff.decisions if d.startswith(f"{rel}:kept: values differ")]
+    assert [f for f in diff.beyond(REGENERATION_BOUND) if f[0] == f"{rel}:logits"]
+
+
+def test_generating_twice_on_one_machine_gives_identical_bytes(tmp_path):
+    # Bit-identity is a property of one machine (not the condition across CPUs).
+    generate_suite(tmp_path / "a", ["sink"])
+    generate_suite(tmp_path / "b", ["sink"])
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert files and all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
 
 
 def test_the_suite_passes_against_itself_with_no_ties():
@@ -203,12 +203,19 @@ def test_check_reports_vector_failures_per_case(capsys, candidate):
     assert "scores: values differ: 1 of" in out and "first at head 0, position" in out
 
 
-def test_generate_writes_a_suite_for_chosen_policies_and_removes_stale_files(capsys, tmp_path):
+def test_generate_merges_chosen_policies_into_an_existing_suite(capsys, tmp_path):
     code, out = _run(capsys, "golden", "generate", "--out", str(tmp_path), "--policies", "sink", "knorm", "--quiet")
     assert code == 0 and "for 2 policies" in out
-    assert read_suite(tmp_path)["policies"] == ["sink", "knorm"]
+    assert read_suite(tmp_path)["policies"] == ["knorm", "sink"]
+    knorm = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "knorm" in p.name + str(p.parent)}
+    assert any(p.suffix == ".npz" for p in knorm)
+    (tmp_path / "vectors" / "sink.json").unlink()  # sink's files are rewritten
     code, out = _run(capsys, "golden", "generate", "--out", str(tmp_path), "--policies", "sink", "--quiet")
-    assert not (tmp_path / "vectors" / "knorm.json").exists() and not list((tmp_path / "e2e" / "knorm").iterdir())
+    assert code == 0
+    index = read_suite(tmp_path)  # every checksum holds
+    assert index["policies"] == ["knorm", "sink"] and (tmp_path / "vectors" / "sink.json").exists()
+    assert all(p.read_bytes() == data for p, data in knorm.items())  # knorm untouched
+    assert not (tmp_path / ".refkv-generate").exists()
     code, out = _run(capsys, "golden", "check", str(tmp_path), "--against", str(GOLDEN), "--policies", "sink")
     assert code == 0
 
@@ -220,3 +227,89 @@ def test_usage_errors_exit_2_with_a_message(capsys, tmp_path):
     assert code == 2 and "does not exist" in out
     code, out = _run(capsys, "golden", "check", str(GOLDEN), "--against", str(tmp_path))
     assert code == 2 and "has no suite.json" in out
+
+
+# -- one-shot coverage (issue 12 A) -----------------------------------------------------------------------
+def _cases():
+    from refkv.oracle import read_vectors
+
+    return [c for path in sorted((GOLDEN / "vectors").glob("*.json")) for c in read_vectors(path).cases]
+
+
+def test_every_policy_that_runs_one_shot_has_one_shot_goldens_in_both_dtypes():
+    from refkv import policies
+    from refkv.oracle.suite import NO_ONESHOT
+    from refkv.oracle.synthetic import config_for
+
+    index = read_suite(GOLDEN)
+    cases = _cases()
+    largest = set()
+    for name in index["policies"]:
+        e2e = {(e["mode"], e["dtype"]) for e in index["files"] if e["policy"] == name and e["kind"] == "e2e"}
+        vec = {(c.mode, c.dtype) for c in cases if c.policy_name == name}
+        if policies.policy_class(name).evict_before_attention:
+            # No one-shot form: the reason is stated in the suite, once per parameter set and model.
+            assert not any(m == "oneshot" for m, _ in e2e | vec), name
+            reasons = [s for s in index["skipped"] if s["policy"] == name and "one-shot" in s["what"] + s["reason"]]
+            assert reasons and all(s["reason"] == NO_ONESHOT for s in reasons), name
+            # ... and their nearest regime, the largest block they accept, is covered instead.
+            for c in (c for c in cases if c.policy_name == name and "largest block" in c.comment):
+                cfg = config_for(c.sizes["n_heads"], c.sizes["n_kv_heads"], c.sizes["d_head"], c.n_layers)
+                n = c.budget + c.sizes["block"]  # before attention the case keeps N - B
+                assert c.sizes["block"] == c.policy().max_block(n, cfg), c.label
+                largest.add(name)
+            continue
+        assert {("oneshot", "float32"), ("oneshot", "float64"), ("block", "float64")} <= e2e, name
+        assert ("oneshot", "float32") in vec, name
+        if name != "full":  # full never evicts: its vectors are a no-eviction and a single-token case
+            assert {("oneshot", "float64"), ("block", "float32"), ("block", "float64")} <= vec, name
+    assert largest == {n for n in index["policies"] if policies.policy_class(n).evict_before_attention}
+
+
+def test_float32_cases_carry_every_adversarial_flag():
+    flags = {f for c in _cases() if c.dtype == "float32" for f in c.flags}
+    assert {"zero-norm-key", "duplicate-keys", "exact-tie", "near-tie", "huge-logits", "gqa", "mha",
+            "single-token"} <= flags
+    oneshot = {f for c in _cases() if c.dtype == "float32" and c.mode == "oneshot" for f in c.flags}
+    assert {"zero-norm-key", "duplicate-keys", "near-tie", "huge-logits", "gqa", "mha"} <= oneshot
+
+
+def test_one_shot_cases_are_the_whole_prompt_and_snapkv_sees_its_whole_window():
+    snapkv = 0
+    for c in _cases():
+        if c.mode != "oneshot":
+            continue
+        assert c.stage == "after-attention" and c.sizes["block"] == c.sizes["n"], c.label
+        assert list(c.inputs["query_positions"]) == list(range(c.sizes["n"])), c.label
+        if c.policy_name == "snapkv" and c.sizes["n"] > c.budget:
+            assert c.sizes["block"] >= c.params["window"], c.label
+            snapkv += c.params["window"] == 32  # the default window, not only the small variants
+    assert snapkv >= 2
+    index = read_suite(GOLDEN)
+    oneshot_snapkv = [e for e in index["files"] if e["policy"] == "snapkv" and e.get("mode") == "oneshot"]
+    for entry in oneshot_snapkv:
+        man = json.loads((GOLDEN / entry["path"]).read_text())
+        assert man["block_size"] is None and man["budget"] > man["policy"]["params"]["window"]
+        assert man["prompt"]["length"] >= man["policy"]["params"]["window"] + man["budget"] // 2
+        assert man["evictions"] == man["model"]["config"]["n_layers"]  # every layer evicted once
+    assert len(oneshot_snapkv) == 2
+
+
+def test_every_case_states_the_block_size_it_ran():
+    import re
+
+    for c in _cases():
+        t = int(c.inputs["query_positions"][-1]) + 1  # the prompt ran up to the last block's end
+        stated = re.search(r"\((one-shot: T=(\d+) in one block|T=(\d+) in (\d+) blocks of (\d+)), N=(\d+)\)$",
+                           c.comment)
+        if "engine" in c.flags:
+            b = re.search(r"N=\d+, B=(\d+|the whole prompt \(one-shot\))", c.comment).group(1)
+            assert (c.mode == "oneshot") == b.startswith("the whole"), c.label
+            assert c.mode == "oneshot" or int(b) == c.sizes["block"], c.label
+            continue
+        assert stated, c.label
+        if stated.group(2):
+            assert c.mode == "oneshot" and int(stated.group(2)) == t == c.sizes["block"], c.label
+        else:
+            total, count, block = (int(stated.group(i)) for i in (3, 4, 5))
+            assert c.mode == "block" and block == c.sizes["block"] and total == t == count * block, c.label

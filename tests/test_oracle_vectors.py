@@ -62,54 +62,76 @@ def _layer0_tokens(model, prompt, block):
     return Tokens(np.concatenate(qs, axis=1), np.concatenate(ks, axis=1), np.concatenate(vs, axis=1))
 
 
-class _LastView:
-    """Stands in for the engine's policy and keeps layer 0's last eviction view."""
-
-    def __init__(self, policy):
-        self.policy, self.view = policy, None
-
-    def __getattr__(self, name):
-        return getattr(self.policy, name)
-
-    def keep_indices(self, view, budget):
-        if view.layer == 0:
-            self.view = view
-        return self.policy.keep_indices(view, budget)
-
-
+@pytest.mark.parametrize("block", [4, None], ids=["B4", "oneshot"])
 @pytest.mark.parametrize("name", library_policies())
-def test_replay_gives_the_engines_eviction_view(name, tiny64):
+def test_replay_gives_the_engines_eviction_view(name, block, tiny64):
     # Layer 0's inputs do not depend on eviction, so replaying them through one layer must
-    # reproduce the engine's own layer-0 decisions exactly, state and all.
+    # reproduce the engine's own layer-0 decisions exactly, state and all (read from the
+    # engine's Trace), in block mode and one-shot.
     from refkv import Engine
 
     policy = policies.get(name)
     prompt = np.random.default_rng(3).integers(0, tiny64.config.vocab_size, 48)
     for budget in (8, 16, 40):
         try:
-            engine = Engine(tiny64, policy, budget)
-        except ValueError:
-            continue
-        spy = _LastView(policy)
-        engine.policy = spy
-        try:
-            engine.prefill(prompt, 4)
+            engine = Engine(tiny64, policy, budget, record="views")
+            engine.prefill(prompt, block)
         except ValueError:
             continue
         break
     else:
         pytest.skip(f"{name} runs with none of the budgets tried")
-    if spy.view is None:
+    events = [e for e in engine.trace.evictions if e.layer == 0]
+    if not events:
         pytest.skip(f"{name} never evicted from layer 0")
-    end = int(spy.view.query_positions[-1]) + 1  # the prompt up to the block of the last eviction
-    tokens = _layer0_tokens(tiny64, prompt[:end], 4)
-    view = replay(policy, tokens, block_size=4, budget=budget, layer=0, n_layers=tiny64.config.n_layers)
-    assert np.array_equal(view.positions, spy.view.positions)
-    assert view.budget == spy.view.budget
-    assert np.array_equal(policy.score(view), policy.score(spy.view), equal_nan=True)
-    assert np.array_equal(policy.keep_indices(view, view.budget), policy.keep_indices(spy.view, spy.view.budget))
-    for field, array in spy.view.fields.items():
+    seen = events[-1].view
+    end = int(seen.query_positions[-1]) + 1  # the prompt up to the block of the last eviction
+    tokens = _layer0_tokens(tiny64, prompt[:end], block or end)
+    view = replay(policy, tokens, block_size=block, budget=budget, layer=0, n_layers=tiny64.config.n_layers)
+    assert np.array_equal(view.positions, seen.positions)
+    assert view.budget == seen.budget
+    assert np.array_equal(policy.score(view), policy.score(seen), equal_nan=True)
+    kept = policy.keep_indices(view, view.budget)
+    assert np.array_equal(kept, policy.keep_indices(seen, seen.budget))
+    assert np.array_equal(kept, events[-1].kept)  # the event records the decision itself
+    for field, array in seen.fields.items():
         assert np.array_equal(view.fields[field], array, equal_nan=True), field
+    if block is None:
+        assert encode_case(policy, view, case_id=1, comment="")["mode"] == "oneshot"
+
+
+def test_the_trace_records_every_eviction_with_its_kept_positions(tiny64):
+    from refkv import Engine
+
+    engine = Engine(tiny64, "tova", 8, record=True)
+    engine.prefill(np.arange(20) % tiny64.config.vocab_size, 4)
+    n_layers = tiny64.config.n_layers
+    # 20 tokens in blocks of 4 under N = 8: blocks 2, 3 and 4 evict, in every layer.
+    assert [(e.block, e.layer) for e in engine.trace.evictions] == [(b, lyr) for b in (2, 3, 4)
+                                                                     for lyr in range(n_layers)]
+    for e in engine.trace.evictions:
+        assert e.view is None and e.stage == "after-attention" and e.positions.shape[1] == 12
+        assert np.array_equal(e.kept_positions, engine.trace.kept[e.block][e.layer])
+    with pytest.raises(ValueError, match="record must be False, True or 'views'"):
+        Engine(tiny64, "tova", 8, record="all")
+
+
+@pytest.mark.parametrize("name", [n for n in library_policies() if policies.policy_class(n).evict_before_attention])
+def test_policies_that_evict_before_attention_have_no_one_shot_form(name):
+    tokens = random_tokens(np.random.default_rng(0), 4, 2, 4, 48)
+    with pytest.raises(ValueError, match=f"block size must be <= .* for {name}"):
+        replay(policies.get(name), tokens, budget=40, layer=3, n_layers=4)
+
+
+def test_a_one_shot_mode_the_view_contradicts_is_refused():
+    tokens = random_tokens(np.random.default_rng(0), 4, 2, 4, 12)
+    policy = policies.get("tova")
+    view = replay(policy, tokens, block_size=3, budget=6)
+    assert encode_case(policy, view, case_id=1, comment="")["mode"] == "block"
+    with pytest.raises(ValueError, match="mode='oneshot' needs a view whose block is the whole prompt"):
+        encode_case(policy, view, case_id=1, comment="", mode="oneshot")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        encode_case(policy, view, case_id=1, comment="", mode="prefill")
 
 
 # -- hand-built cases ---------------------------------------------------------------------------

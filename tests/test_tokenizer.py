@@ -261,3 +261,19 @@ def test_tokenizer_from_a_small_gguf(tmp_path):
     assert tok2.encode("hi there") == tok.encode("hi there") and model.config.vocab_size == 262
     assert tok.default_system is None  # no chat template in this file
     assert tok.render_chat("x") == "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize(("template", "expected"), [
+    # SmolLM2's GGUF template: a real newline inside the Jinja string literal
+    ("{{ '<|im_start|>system\nYou are SmolLM<|im_end|>\n' }}", "You are SmolLM"),
+    # Qwen2.5's tokenizer_config.json: Jinja's backslash-n escape
+    ("{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>"
+     "\\n' }}", "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."),
+    # Qwen3: the system turn is built from the messages, there is no default text
+    ("{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}", None),
+])
+def test_default_system_turn_is_read_from_the_template(smollm2_tokenizer, template, expected):
+    from refkv.model import Tokenizer
+
+    tok = Tokenizer(dataclasses.replace(smollm2_tokenizer.vocab, chat_template=template))
+    assert tok.default_system == expected

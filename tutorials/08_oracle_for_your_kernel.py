@@ -84,13 +84,17 @@ print("top-level keys:", sorted(document))
 # %%
 # :func:`refkv.testing.load_cases` reads them back as :class:`refkv.oracle.VectorCase`
 # objects. We keep KeyDiff's default parameters (the file also holds the paper's ablation
-# variants) and look at the flags that say what each case is built to catch:
+# variants) and look at each case's ``mode`` -- ``oneshot`` (the whole prompt is one
+# block, as kvpress and GPU backends prefill) or ``block`` (block prompt processing) --
+# and the flags that say what it is built to catch:
 
 defaults = policies.get("keydiff").params()
 cases = load_cases(suite_dir, policy="keydiff", params=defaults)
 print(len(cases), "cases with the default parameters")
 for case in cases[:4]:
-    print(f"  {case}: {case.dtype}, {case.sizes['n']} candidates -> budget {case.budget}, flags {list(case.flags)}")
+    print(f"  {case}: {case.mode}, {case.dtype}, {case.sizes['n']} candidates -> budget {case.budget}, "
+          f"flags {list(case.flags)}")
+print("modes:", sorted({case.mode for case in cases}))
 
 # %%
 # Checking the kernel
@@ -179,6 +183,9 @@ print("60 drawn caches: scores and kept tokens agree with refkv")
 #
 #     refkv golden generate --out tests/golden --policies keydiff
 #     refkv golden check my_outputs/ --against tests/golden
+#
+# (``--policies keydiff`` into an existing suite adds or replaces KeyDiff's files and
+# leaves the other policies' files untouched.)
 #
 # The oracle pages of this documentation give the schema of both file kinds, the tolerance
 # rules and the end-to-end format.

@@ -1,7 +1,8 @@
-"""``refkv experiment NAME [--quick] [--jobs N] [--out DIR] [--policies ...] [--budgets ...]``."""
+"""``refkv experiment NAME [--quick] [--jobs N] [--scheduler ADDRESS] [--out DIR] [--policies ...] [--budgets ...]``."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -11,15 +12,16 @@ __all__ = ["SUMMARY_TABLES", "add_experiment_command", "summary_table"]
 NAMES = ("passkey", "perplexity", "attention_loss", "geometry", "all")
 
 
-def _optional_int(text: str):
+def _optional_int(text: str, option: str):
+    """An integer >= 1, or None for 'none' (also 'full', 'inf'); errors name ``option``."""
     if text.lower() in ("none", "full", "inf"):
         return None
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"expected an integer >= 1 or 'none', got {text!r}") from None
+        value = 0
     if value < 1:
-        raise ValueError(f"expected an integer >= 1 or 'none', got {text!r}")
+        raise ValueError(f"{option} must each be an integer >= 1 or 'none', got {text!r}")
     return value
 
 
@@ -31,6 +33,9 @@ def add_experiment_command(sub) -> None:
     p.add_argument("name", choices=NAMES, help="experiment to run, or 'all'")
     p.add_argument("--quick", action="store_true", help="the tiny grid (a minute or two)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                   help="run the cells on a Dask cluster: a scheduler address (tcp://HOST:8786) or 'local' "
+                        "for a LocalCluster of --jobs workers; needs the sweeps extra (default: no Dask)")
     p.add_argument("--out", default="results", help="results folder (default ./results)")
     p.add_argument("--model", default=None,
                    help="'tiny', 'smollm2' or a path (default: smollm2 when installed, else tiny)")
@@ -51,15 +56,24 @@ def add_experiment_command(sub) -> None:
 
 def _cmd_experiment(args) -> int:
     from ..threads import blas_threads
-    from .runner import Settings, experiment_names, get_experiment, plan, run
+    from ..validation import check_int
+    from .runner import Settings, check_policy_specs, experiment_names, get_experiment, plan, run
 
-    if args.jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    check_int("--jobs", args.jobs, 1)
+    check_int("--seed", args.seed, 0)
+    if args.threads is not None:
+        check_int("--threads", args.threads, 1)
+    if args.scheduler is not None:
+        from .cluster import check_scheduler
+
+        check_scheduler(args.scheduler)
+    if args.policies:
+        check_policy_specs(args.policies, "--policies")  # every spec, before any cell runs
     settings = Settings(
         quick=args.quick, model=args.model, dtype=args.dtype,
         policies=tuple(args.policies) if args.policies else None,
-        budgets=tuple(_optional_int(b) for b in args.budgets) if args.budgets else None,
-        blocks=tuple(_optional_int(b) for b in args.blocks) if args.blocks else None,
+        budgets=tuple(_optional_int(b, "--budgets") for b in args.budgets) if args.budgets else None,
+        blocks=tuple(_optional_int(b, "--blocks") for b in args.blocks) if args.blocks else None,
         seed=args.seed)
     names = experiment_names() if args.name == "all" else [args.name]
     experiments = [get_experiment(n) for n in names]
@@ -77,9 +91,15 @@ def _cmd_experiment(args) -> int:
     choice = _threads(args, settings, tasks)
     print(f"threads: {choice.n} ({choice.reason})", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    with blas_threads(choice.n if args.jobs == 1 else 1):
+    with contextlib.ExitStack() as stack:
+        executor = None
+        if args.scheduler is not None:
+            from .cluster import dask_executor
+
+            executor = stack.enter_context(dask_executor(args.scheduler, n_workers=args.jobs))
+        stack.enter_context(blas_threads(choice.n if args.jobs == 1 and executor is None else 1))
         records = run(experiments, settings, out=args.out, jobs=args.jobs, summarise=not args.no_summary,
-                      threads_per_job=choice.n)
+                      executor=executor, threads_per_job=choice.n)
     elapsed = time.perf_counter() - start
     if args.publish:
         _publish(args.out, args.publish, list(records))
@@ -90,7 +110,8 @@ def _cmd_experiment(args) -> int:
         table = summary_table(name, args.out)
         if table:
             print(table)
-    print(f"wall time {elapsed:.0f} s with --jobs {args.jobs}, {choice.n} BLAS thread(s) per process")
+    where = f"Dask scheduler {args.scheduler}" if args.scheduler else f"--jobs {args.jobs}"
+    print(f"wall time {elapsed:.0f} s with {where}, {choice.n} BLAS thread(s) per process")
     return 0
 
 
@@ -98,10 +119,13 @@ def _threads(args, settings, tasks):
     """The BLAS threads: ``--threads``, one per worker with ``--jobs > 1``, else measured on the grid's model."""
     from ..threads import ThreadChoice, choose_threads
 
-    if args.threads is not None or args.jobs > 1 or not tasks:
-        if args.threads is None:
-            return ThreadChoice(1, f"one per worker, --jobs {args.jobs}" if tasks else "nothing to run")
-        return choose_threads(None, requested=args.threads)
+    if args.threads is not None or args.jobs > 1 or args.scheduler is not None or not tasks:
+        if args.threads is not None:
+            return choose_threads(None, requested=args.threads)
+        if not tasks:
+            return ThreadChoice(1, "nothing to run")
+        return ThreadChoice(1, "one per worker, " + (f"Dask scheduler {args.scheduler}" if args.scheduler
+                                                      else f"--jobs {args.jobs}"))
     from .common import load_model
 
     name = settings.resolved_model()

@@ -3,11 +3,16 @@
 Every function takes finished records (or arrays) and a folder, and returns the paths it
 wrote; without matplotlib they write nothing and return ``[]`` (the CSV tables are the
 results; the plots are views of them). Files are reproducible: SVGs carry no date and a
-fixed hash salt, PNGs no timestamp.
+fixed hash salt, PNGs no timestamp. Each file is rendered in memory and written
+atomically (temporary file + ``os.replace``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -37,14 +42,38 @@ def _pyplot():
 
 
 def _save(fig, folder: Path, stem: str) -> list[Path]:
+    """Write ``fig`` as ``stem.png`` and ``stem.svg`` in ``folder``, each atomically."""
     plt = _pyplot()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"{stem}.png", folder / f"{stem}.svg"]
-    fig.savefig(paths[0], dpi=90, bbox_inches="tight", metadata={"Software": None})
-    fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None, "Creator": None})
-    plt.close(fig)
+    try:
+        for path, options in ((paths[0], {"dpi": 90, "metadata": {"Software": None}}),
+                              (paths[1], {"metadata": {"Date": None, "Creator": None}})):
+            # Render in memory, then publish: a run killed while matplotlib writes leaves
+            # the previous file (or none), never half a figure.
+            buffer = io.BytesIO()
+            fig.savefig(buffer, format=path.suffix[1:], bbox_inches="tight", **options)
+            _write_bytes(path, buffer.getvalue())
+    finally:
+        plt.close(fig)
     return paths
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: a temporary file in the same folder, then ``os.replace``."""
+    from .common import file_mode
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, file_mode())  # mkstemp makes 0600; a plot is as readable as any written file
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _none_last(value) -> float:

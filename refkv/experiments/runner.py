@@ -19,7 +19,11 @@ plots. The runner connects them:
   with one BLAS thread, so ``jobs`` processes use ``jobs`` cores). Every cell is a pure
   function of its parameters (all randomness is seeded from them), so parallel and
   serial runs give the same results; only the order of the lines and the wall times
-  differ.
+  differ. Workers watch their parent (they wait on the pipe it holds open) and exit as
+  soon as it dies, so a ``kill -9`` of the run leaves no orphans computing for nobody.
+* **Published files.** Tables and plots are written to a temporary file in the same
+  folder and renamed over the old one, so a run killed during the summary leaves each
+  file either as it was or complete.
 * **Progress.** A bar with ETA on stderr (:class:`Progress`), weighted by each cell's
   estimated cost; the most expensive cells are started first so the pool stays busy.
 
@@ -54,6 +58,7 @@ __all__ = [
     "Settings",
     "append_record",
     "cell_key",
+    "check_policy_specs",
     "get_experiment",
     "read_records",
     "register_experiment",
@@ -105,12 +110,39 @@ class Settings:
                     raise ValueError(f"{name} must be integers >= 1 or None, got {value!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if self.policies is not None:
+            check_policy_specs(self.policies)
 
     def resolved_model(self) -> str:
         """The model name the grid uses: the user's, or smollm2 when installed, else tiny."""
         if self.model is not None:
             return self.model
         return "smollm2" if smollm2_installed() else "tiny"
+
+
+def check_policy_specs(specs, option: str = "policies") -> None:
+    """Construct every policy spec once, so a bad one fails before any cell runs.
+
+    Raises
+    ------
+    ValueError
+        Naming ``option`` and the spec: an unknown policy or parameter, a value out of
+        range, or the same policy listed twice (after canonicalisation).
+    """
+    from .common import canonical_spec, make_policy
+
+    if isinstance(specs, str) or not all(isinstance(spec, str) for spec in specs):
+        raise ValueError(f"{option} must be a sequence of policy specs (str), got {specs!r}")
+    seen: dict[str, str] = {}
+    for spec in specs:
+        try:
+            canonical = canonical_spec(spec)
+            make_policy(spec)
+        except ValueError as err:
+            raise ValueError(f"{option}: {spec!r}: {err}") from None
+        if canonical in seen:
+            raise ValueError(f"{option} lists {canonical!r} twice (as {seen[canonical]!r} and {spec!r})")
+        seen[canonical] = spec
 
 
 def smollm2_installed() -> bool:
@@ -196,15 +228,18 @@ def cell_key(params: dict) -> str:
 def read_records(path) -> list[dict]:
     """All complete records of a JSON-lines results file (``[]`` if it does not exist).
 
-    A partial last line (a run killed mid-write) is ignored silently; an unreadable
-    line elsewhere is skipped with a warning. Records with the same key: the last wins.
+    A partial last line (a run killed mid-write) is ignored silently; a last line that
+    is a complete record whose newline was lost is kept; an unreadable line elsewhere is
+    skipped with a warning. Records with the same key: the last wins.
     """
     path = Path(path)
     if not path.exists():
         return []
     data = path.read_bytes()
     lines = data.split(b"\n")
-    complete = lines[:-1]  # after the last "\n": empty, or a partial line
+    complete = lines[:-1]  # after the last "\n": empty, a partial line, or a whole record
+    if _whole_record(lines[-1]):
+        complete.append(lines[-1])
     by_key: dict[str, dict] = {}
     for number, line in enumerate(complete, start=1):
         if not line.strip():
@@ -219,8 +254,27 @@ def read_records(path) -> list[dict]:
     return list(by_key.values())
 
 
+def _whole_record(line: bytes) -> bool:
+    """True if ``line`` (no newline) is one complete record: a JSON object with a key.
+
+    A torn write is a prefix of such a line; no proper prefix of a JSON object is a
+    JSON object, so a torn line is never mistaken for a whole one.
+    """
+    if not line.strip():
+        return False
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "key" in record
+
+
 def cut_partial_tail(path) -> None:
-    """Remove a partial last line (no trailing newline) so appends start on a fresh line."""
+    """Make the file end on a fresh line before appending.
+
+    A partial last line (no trailing newline) is cut; a complete last record whose
+    newline was lost gets its newline back instead (it is a finished cell).
+    """
     path = Path(path)
     if not path.exists():
         return
@@ -230,6 +284,13 @@ def cut_partial_tail(path) -> None:
             return
         f.seek(size - 1)
         if f.read(1) == b"\n":
+            return
+        tail = _last_line(f, size)
+        if _whole_record(tail):
+            f.seek(size)
+            f.write(b"\n")
+            f.flush()
+            os.fsync(f.fileno())
             return
         # Walk back to the last newline; the bytes after it are a torn write.
         position = size
@@ -247,6 +308,14 @@ def cut_partial_tail(path) -> None:
         f.truncate(end)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _last_line(f, size: int, limit: int = 1 << 24) -> bytes:
+    """The bytes after the last newline of an open file (up to ``limit``: a record is small)."""
+    start = max(0, size - limit)
+    f.seek(start)
+    block = f.read(size - start)
+    return block[block.rfind(b"\n") + 1:]
 
 
 def append_record(path, record: dict) -> None:
@@ -377,6 +446,29 @@ def _run_cell(module: str, experiment_name: str, params: dict) -> tuple[dict, fl
     return result, time.perf_counter() - start, time.process_time() - cpu
 
 
+def _exit_with_parent() -> None:
+    """Worker initializer: end this process as soon as its parent dies.
+
+    A spawned worker holds the read end of a pipe whose write end only the parent holds
+    (:func:`multiprocessing.parent_process`'s sentinel); it becomes readable when the
+    parent is gone, however it died. A daemon thread waits on it and exits at once, also
+    in the middle of a cell (whose result nobody could record any more).
+    """
+    import multiprocessing
+    import threading
+    from multiprocessing.connection import wait as wait_ready
+
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+
+    def watch() -> None:
+        wait_ready([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="refkv-exit-with-parent", daemon=True).start()
+
+
 @contextlib.contextmanager
 def _thread_environment(threads: int):
     """Set the BLAS thread variables while spawned workers start (they read them at import)."""
@@ -423,7 +515,8 @@ def plan(experiments: Sequence[Experiment], settings: Settings, out) -> tuple[li
 
 
 def run(experiments: Iterable[Experiment] | Experiment, settings: Settings | None = None, *, out="results",
-        jobs: int = 1, summarise: bool = True, stream=None, threads_per_job: int = 1) -> dict[str, list[dict]]:
+        jobs: int = 1, summarise: bool = True, stream=None, threads_per_job: int = 1,
+        executor=None) -> dict[str, list[dict]]:
     """Run (or resume) experiments and write their summaries.
 
     Parameters
@@ -441,6 +534,11 @@ def run(experiments: Iterable[Experiment] | Experiment, settings: Settings | Non
         Where the progress bar goes (default stderr).
     threads_per_job : int
         BLAS threads of each worker process (``jobs > 1`` only).
+    executor : concurrent.futures.Executor, optional
+        Run the cells there instead (``jobs`` is then ignored): any executor whose
+        ``submit`` returns :class:`concurrent.futures.Future` objects, e.g. a Dask cluster's
+        (:func:`refkv.experiments.cluster.dask_executor`). Records, resume and progress are
+        the same as a local run: only this process writes records.
 
     Returns
     -------
@@ -453,6 +551,8 @@ def run(experiments: Iterable[Experiment] | Experiment, settings: Settings | Non
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out must be a folder, but {out} exists and is not one")
     out.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         for experiment in experiments:
@@ -464,7 +564,9 @@ def run(experiments: Iterable[Experiment] | Experiment, settings: Settings | Non
         if done:
             stream.write(f"refkv experiment: {done} cells already finished in {out}, {len(tasks)} to run\n")
         progress = Progress(len(tasks), sum(t.cost for t in tasks), stream=stream)
-        if jobs == 1 or len(tasks) <= 1:
+        if executor is not None:
+            _drain(executor, tasks, progress)
+        elif jobs == 1 or len(tasks) <= 1:
             for task in tasks:
                 result, wall, cpu = _run_cell(task.module, task.experiment, task.params)
                 append_record(task.path, _record(task, result, wall, cpu))
@@ -489,20 +591,34 @@ def _run_parallel(tasks: list[_Task], jobs: int, threads: int, progress: Progres
     # BLAS thread pool) before any initializer runs: the variables must be set while the
     # pool lives, not only while it is constructed.
     with _thread_environment(threads):
-        executor = ProcessPoolExecutor(max_workers=jobs, mp_context=context)
+        executor = ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_exit_with_parent)
         try:
-            pending = {executor.submit(_run_cell, t.module, t.experiment, t.params): t for t in tasks}
-            while pending:
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    task = pending.pop(future)
-                    result, wall, cpu = future.result()
-                    append_record(task.path, _record(task, result, wall, cpu))
-                    progress.advance(task.cost, task.experiment)
+            _drain(executor, tasks, progress)
         except BaseException:
             executor.shutdown(wait=False, cancel_futures=True)
             raise
         executor.shutdown(wait=True)
+
+
+def _drain(executor, tasks: list[_Task], progress: Progress) -> None:
+    """Submit every cell to ``executor`` and record each result here, as it finishes.
+
+    The one loop shared by local processes and external executors (Dask): whatever runs
+    the cells, only this process appends records, so resume and the record format do not
+    depend on where the cells ran. On an error the cells not yet started are cancelled.
+    """
+    pending = {executor.submit(_run_cell, t.module, t.experiment, t.params): t for t in tasks}
+    try:
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                task = pending.pop(future)
+                result, wall, cpu = future.result()
+                append_record(task.path, _record(task, result, wall, cpu))
+                progress.advance(task.cost, task.experiment)
+    finally:
+        for future in pending:
+            future.cancel()
 
 
 def grid_records(experiment: Experiment, settings: Settings, out) -> list[dict]:

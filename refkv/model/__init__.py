@@ -1,5 +1,6 @@
 """The decoder: configuration, weights, forward pieces, loaders and tokenizers."""
 
+from . import families
 from .config import TINY, ModelConfig
 from .decoder import Model
 from .gguf import GGUFError, ModelNotFoundError, read_gguf
@@ -20,6 +21,7 @@ __all__ = [
            "Tokenizer",
            "builtin_model",
            "english_prose",
+           "families",
            "load",
            "load_with_tokenizer",
            "model_path",

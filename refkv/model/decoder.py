@@ -1,5 +1,9 @@
 """A Llama-family decoder in NumPy, split into the pieces the cached engine reuses.
 
+The same code runs Llama 2, Llama 3 (RoPE scaling), Qwen2/2.5 (q/k/v biases) and Qwen3
+(per-head q/k RMSNorm): each variant is a config flag and a few lines in :meth:`Model.qkv`,
+:meth:`Model.attn_out` or :mod:`refkv.model.layers`.
+
 :meth:`Model.forward_full` runs the whole sequence with plain causal attention and no
 cache. It is deliberately written independently of :mod:`refkv.attention` and
 :mod:`refkv.engine` (its own mask, ``scipy.special.softmax``, ``np.repeat`` for GQA),
@@ -12,7 +16,7 @@ import numpy as np
 from scipy.special import softmax
 
 from .config import ModelConfig
-from .layers import apply_rope, rms_norm, rope_angles, swiglu
+from .layers import apply_rope, rms_norm, rope_angles, rope_frequencies_of, swiglu
 from .weights import ModelWeights
 
 __all__ = ["Model"]
@@ -37,6 +41,7 @@ class Model:
         weights.validate(config)
         self.config = config
         self.weights = weights
+        self._inv_freq = rope_frequencies_of(config)  # (d_head / 2,) float64, any RoPE scaling applied
 
     @property
     def dtype(self) -> np.dtype:
@@ -69,10 +74,13 @@ class Model:
     def rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """RoPE cos/sin tables for ``positions`` (computed once per block, shared by layers)."""
         cfg = self.config
-        return rope_angles(positions, cfg.d_head, cfg.rope_base, self.dtype)
+        return rope_angles(positions, cfg.d_head, cfg.rope_base, self.dtype, inv_freq=self._inv_freq)
 
     def qkv(self, layer: int, x: np.ndarray, rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Normalise the residual ``x`` (T, d_model) and project to RoPE'd q, k and v.
+
+        In order: RMSNorm, the three projections, their biases (``config.attention_bias``),
+        the split into heads, the per-head q/k RMSNorm (``config.qk_norm``), RoPE on q and k.
 
         Returns
         -------
@@ -84,15 +92,22 @@ class Model:
         cfg, lw = self.config, self.weights.layers[layer]
         h = rms_norm(x, lw.attn_norm, cfg.norm_eps)
         cos, sin = rope
-        q = apply_rope(_split_heads(h @ lw.wq, cfg.n_heads), cos, sin)
-        k = apply_rope(_split_heads(h @ lw.wk, cfg.n_kv_heads), cos, sin)
-        v = _split_heads(h @ lw.wv, cfg.n_kv_heads)
-        return q, k, v
+        q, k, v = h @ lw.wq, h @ lw.wk, h @ lw.wv  # (T, H d), (T, Hkv d), (T, Hkv d)
+        if cfg.attention_bias:  # Qwen2/2.5 (Llama, Qwen3 with attention_bias): right after the projections
+            q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
+        q, k, v = _split_heads(q, cfg.n_heads), _split_heads(k, cfg.n_kv_heads), _split_heads(v, cfg.n_kv_heads)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's d values of q and k, right before RoPE
+            q, k = rms_norm(q, lw.q_norm, cfg.norm_eps), rms_norm(k, lw.k_norm, cfg.norm_eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attn_out(self, layer: int, o: np.ndarray) -> np.ndarray:
         """Output projection of per-head attention outputs ``o`` (H, T, d) -> (T, d_model)."""
         heads, t, d = o.shape
-        return o.transpose(1, 0, 2).reshape(t, heads * d) @ self.weights.layers[layer].wo
+        lw = self.weights.layers[layer]
+        out = o.transpose(1, 0, 2).reshape(t, heads * d) @ lw.wo
+        if self.config.output_bias:  # Llama / Qwen3 with attention_bias (never Qwen2)
+            out = out + lw.bo
+        return out
 
     def mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
         """The MLP branch (RMSNorm then SwiGLU) of the residual ``x`` (T, d_model)."""

@@ -1,4 +1,4 @@
-"""Read a llama-architecture GGUF file: config, dequantized weights, tokenizer fields.
+"""Read a GGUF file of the llama, qwen2 or qwen3 architecture: config, dequantized weights, tokenizer.
 
 GGUF is llama.cpp's single-file format: a table of typed metadata (``llama.block_count``,
 ``tokenizer.ggml.tokens``, ...) followed by tensors, each stored as plain floats or in
@@ -8,22 +8,33 @@ and converts it to refkv's conventions (:mod:`refkv.model.weights`).
 
 Notes
 -----
-**RoPE pairing.** refkv applies RoPE in the Hugging Face "rotate half" layout: dimension
-``i`` of a head rotates with dimension ``i + d/2`` (:func:`refkv.model.layers.apply_rope`).
-llama.cpp instead rotates adjacent dimensions ``(2i, 2i + 1)``, so its converter
-(``convert_hf_to_gguf.py``) reorders the rows of ``attn_q`` and ``attn_k`` within each
-head: GGUF row ``2i + j`` holds Hugging Face row ``j d/2 + i`` (``j`` in {0, 1}). The
-loader undoes this with :func:`unpermute_rope_rows` (per query head for ``attn_q``, per
-KV head for ``attn_k``), so the loaded weights are exactly the Hugging Face ones and
-``q . k`` is unchanged: both routes rotate the same pairs by the same angles. Tests
-prove it three ways: on a synthetic tensor, by the equality of interleaved RoPE on the
-GGUF rows and rotate-half RoPE on the un-permuted rows, and on the real model (sensible
-greedy text and low perplexity with the un-permutation, much higher without it).
+**RoPE pairing, per architecture.** refkv applies RoPE in the Hugging Face "rotate half"
+layout: dimension ``i`` of a head rotates with dimension ``i + d/2``
+(:func:`refkv.model.layers.apply_rope`). For the ``llama`` architecture llama.cpp
+rotates adjacent dimensions ``(2i, 2i + 1)``, so its converter (``convert_hf_to_gguf.py``,
+``LlamaModel.modify_tensors``) reorders the rows of ``attn_q`` and ``attn_k`` (and their
+biases) within each head: GGUF row ``2i + j`` holds Hugging Face row ``j d/2 + i``
+(``j`` in {0, 1}). The loader undoes this with :func:`unpermute_rope_rows` (per query
+head for ``attn_q``, per KV head for ``attn_k``), so the loaded weights are exactly the
+Hugging Face ones and ``q . k`` is unchanged: both routes rotate the same pairs by the
+same angles. For ``qwen2`` and ``qwen3`` llama.cpp uses "NEOX" RoPE, which is rotate
+half, and the converter (``Qwen2Model``, ``Qwen3Model(Qwen2Model)``) writes the rows
+unchanged: nothing is un-permuted (:data:`PERMUTED_ARCHITECTURES`). Tests prove the
+llama rule three ways: on a synthetic tensor, by the equality of interleaved RoPE on the
+GGUF rows and rotate-half RoPE on the un-permuted rows, and on the real model.
 
 **Layout.** A GGUF tensor of shape ``[ne0, ne1]`` is stored row-major as ``(ne1, ne0)``,
 which is PyTorch's ``(out_features, in_features)``; refkv stores ``(in, out)``, so every
 projection is transposed after dequantization. The embedding ``token_embd`` is
 ``(vocab, d_model)`` as stored. A missing ``output.weight`` means tied embeddings.
+
+**Architecture variants.** ``blk.N.attn_{q,k,v}.bias`` (qwen2 always; llama optional)
+switch on ``attention_bias``, ``blk.N.attn_output.bias`` ``output_bias``, and
+``blk.N.attn_{q,k}_norm.weight`` (qwen3) ``qk_norm``. Llama 3 RoPE scaling arrives as
+the ``rope_freqs.weight`` tensor (llama.cpp's converter computes one divisor per
+frequency from the Hugging Face ``rope_scaling``), read into
+:attr:`~refkv.model.ModelConfig.rope_freq_factors`; ``{arch}.rope.scaling.type`` ``linear``
+with its ``rope.scaling.factor`` is read too.
 
 **Precision.** ``gguf.quants.dequantize`` produces float32 (llama.cpp's reference
 arithmetic: e.g. Q4_1 computes ``d * q + m`` in float32 from float16 ``d`` and ``m``).
@@ -31,15 +42,19 @@ A float64 load widens those float32 values exactly; it does not recompute them.
 
 **Supported tensor types** (:data:`SUPPORTED_TYPES`): F32, F16, BF16, F64, Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0 and the K-quants Q2_K to Q6_K. Anything else (IQ*, TQ*, Q8_1, integer
-types) is refused with a :class:`GGUFError` naming the tensor and its type.
+types) is refused with a :class:`GGUFError` naming the tensor and its type, before its
+bytes are mapped.
 
 **Float metadata.** GGUF stores ``rope.freq_base`` and the RMSNorm epsilon as float32;
 they are read back as the shortest decimal that rounds to the stored value (``1e-05``
 rather than ``9.999999747378752e-06``), which is the decimal of the original config.
 
-**Metadata refkv refuses.** Only ``general.architecture == "llama"``; no RoPE scaling
-(``llama.rope.scaling.type`` other than ``none``); RoPE over the whole head
-(``llama.rope.dimension_count == d_head``); key and value head widths equal.
+**Metadata refkv refuses**, naming the key: other architectures; mixture of experts
+(``{arch}.expert_count`` > 0, as in Mixtral files of the ``llama`` architecture); RoPE
+scaling other than ``none``/``linear`` (``{arch}.rope.scaling.type``); RoPE over part of
+the head (``{arch}.rope.dimension_count``); key and value head widths that differ;
+counts that are zero, infinite or impossible for the file (``block_count`` larger than
+the blocks whose tensors the file holds is refused before anything is allocated).
 """
 
 from __future__ import annotations
@@ -50,10 +65,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..validation import check_float
 from .config import ModelConfig
 from .weights import FLOAT_DTYPES, LayerWeights, ModelWeights
 
 __all__ = [
+    "ARCHITECTURES",
+    "PERMUTED_ARCHITECTURES",
     "SUPPORTED_TYPES",
     "GGUFError",
     "GGUFModel",
@@ -66,6 +84,11 @@ __all__ = [
 #: Names of the GGML tensor types refkv dequantizes (``gguf.GGMLQuantizationType`` names).
 SUPPORTED_TYPES = frozenset({"F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                              "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
+
+#: ``general.architecture`` values refkv reads.
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+#: Architectures whose q/k rows llama.cpp's converter reorders for interleaved RoPE.
+PERMUTED_ARCHITECTURES = frozenset({"llama"})
 
 MODELS_EXTRA = "pip install gguf tokenizers  (the 'models' extra: pip install -e '.[models]' in a checkout)"
 
@@ -165,7 +188,7 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def read_gguf(path, dtype=np.float32, *, weights: bool = True) -> GGUFModel:
-    """Read a llama-architecture GGUF file.
+    """Read a GGUF file of the llama, qwen2 or qwen3 architecture.
 
     Parameters
     ----------
@@ -180,7 +203,8 @@ def read_gguf(path, dtype=np.float32, *, weights: bool = True) -> GGUFModel:
     ModelNotFoundError
         If ``path`` does not exist.
     GGUFError
-        If the file is not GGUF, is truncated or corrupt, is not a llama model, uses a
+        If the file is not GGUF, is truncated or corrupt, is not a llama, qwen2 or qwen3
+        model (or uses a variant refkv does not implement), uses a
         tensor type refkv cannot dequantize, or has tensors whose shapes disagree with
         its metadata.
     """
@@ -193,11 +217,12 @@ def read_gguf(path, dtype=np.float32, *, weights: bool = True) -> GGUFModel:
     reader = _open(path)
     metadata = {name: _field_value(field) for name, field in reader.fields.items()
                 if not _is_array(field)}
-    config = _config(reader, path)
-    vocab = _vocab(reader) if "tokenizer.ggml.tokens" in reader.fields else None
     tensors = {t.name: t for t in reader.tensors}
+    config = _config(reader, tensors, path)
+    vocab = _vocab(reader) if "tokenizer.ggml.tokens" in reader.fields else None
     _check_tensors(tensors, config, path)
-    model_weights = _weights(tensors, config, dtype) if weights else None
+    arch = metadata["general.architecture"]
+    model_weights = _weights(tensors, config, dtype, arch in PERMUTED_ARCHITECTURES, path) if weights else None
     return GGUFModel(path=path, config=config, weights=model_weights, vocab=vocab, metadata=metadata)
 
 
@@ -212,8 +237,31 @@ def _gguf():
 
 def _open(path: Path):
     gguf = _gguf()
+
+    class Reader(gguf.GGUFReader):
+        """The package's reader, refusing an unsupported tensor type by name before mapping its bytes.
+
+        (Otherwise an IQ2 tensor whose rows are not a multiple of its 256-value block fails
+        deep in the reader with a row-size message that does not say what is wrong.)
+        """
+
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:
+                raw = int(field.parts[4][0])
+                try:
+                    kind = gguf.GGMLQuantizationType(raw).name
+                except ValueError:
+                    kind = f"unknown type id {raw}"
+                if kind not in SUPPORTED_TYPES:
+                    name = bytes(field.parts[1]).decode("utf-8", "replace")
+                    raise GGUFError(f"{path}: tensor {name!r} has type {kind}, which refkv cannot dequantize; "
+                                    f"supported: {', '.join(sorted(SUPPORTED_TYPES))}")
+            return super()._build_tensors(start_offs, fields)
+
     try:
-        return gguf.GGUFReader(path)
+        return Reader(path)
+    except GGUFError:
+        raise
     except Exception as err:  # the reader raises ValueError, IndexError, struct/memmap errors...
         raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
                         f"{type(err).__name__}: {err}") from err
@@ -247,7 +295,7 @@ def _array_numbers(field) -> np.ndarray:
     return np.concatenate([field.parts[i] for i in field.data]) if field.data else np.zeros(0)
 
 
-def _config(reader, path: Path) -> ModelConfig:
+def _config(reader, tensors: dict, path: Path) -> ModelConfig:
     fields = reader.fields
 
     def get(key, required=True):
@@ -258,40 +306,102 @@ def _config(reader, path: Path) -> ModelConfig:
         return _field_value(fields[key])
 
     arch = get("general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"{path}: architecture {arch!r} is not supported; refkv reads 'llama' GGUF files only")
-    scaling = get("llama.rope.scaling.type", required=False)
-    if scaling not in (None, "none"):
-        raise GGUFError(f"{path}: RoPE scaling {scaling!r} is not supported (refkv implements plain RoPE)")
-    d_model = int(get("llama.embedding_length"))
-    n_heads = int(get("llama.attention.head_count"))
-    n_kv_heads = int(get("llama.attention.head_count_kv", required=False) or n_heads)
-    d_head = int(get("llama.attention.key_length", required=False) or d_model // max(n_heads, 1))
-    d_value = int(get("llama.attention.value_length", required=False) or d_head)
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{path}: architecture {arch!r} is not supported; refkv reads "
+                        f"{', '.join(repr(a) for a in ARCHITECTURES)} GGUF files")
+
+    def count(key, default=None, low=1):
+        """An integer field, checked before anything is sized by it."""
+        value = get(f"{arch}.{key}", required=default is None)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise GGUFError(f"{path}: metadata {arch}.{key} must be an integer >= {low}, got {value!r}")
+        return value
+
+    def number(key, default, low, high=None):
+        value = get(f"{arch}.{key}", required=default is None)
+        value = default if value is None else value
+        try:
+            return check_float(f"{arch}.{key}", value, low, high, low_open=True, high_open=high is not None)
+        except ValueError as err:
+            raise GGUFError(f"{path}: metadata {err}") from None
+
+    experts = count("expert_count", 0, low=0)
+    if experts:
+        raise GGUFError(f"{path}: mixture-of-experts models are not supported ({arch}.expert_count = {experts})")
+    n_layers = count("block_count")
+    blocks = {int(name.split(".")[1]) for name in tensors
+              if name.startswith("blk.") and name.split(".")[1].isdigit()}
+    if n_layers > len(blocks) or any(i not in blocks for i in range(n_layers)):
+        # before anything is sized by it: 4e9 layers would otherwise mean a 4e9-entry table
+        raise GGUFError(f"{path}: metadata {arch}.block_count = {n_layers}, but the file holds tensors for "
+                        f"{len(blocks)} blocks")
+    d_model, d_ff = count("embedding_length"), count("feed_forward_length")
+    n_heads = count("attention.head_count")
+    n_kv_heads = count("attention.head_count_kv", n_heads)
+    d_head = count("attention.key_length", 0)
+    if not d_head:
+        if d_model % n_heads:
+            raise GGUFError(f"{path}: metadata {arch}.attention.head_count = {n_heads} does not divide "
+                            f"{arch}.embedding_length = {d_model}, and {arch}.attention.key_length is not given")
+        d_head = d_model // n_heads
+    for name, heads in (("blk.0.attn_q.weight", n_heads), ("blk.0.attn_k.weight", n_kv_heads)):
+        rows = _rows(tensors.get(name))  # before RoPE is judged: a wrong head count is not "partial RoPE"
+        if rows is not None and rows != heads * d_head:
+            raise GGUFError(f"{path}: metadata {arch}.attention.head_count = {n_heads}, head_count_kv = "
+                            f"{n_kv_heads} and head width {d_head} imply {heads * d_head} rows of {name}; "
+                            f"the file has {rows}")
+    d_value = count("attention.value_length", d_head)
     if d_value != d_head:
         raise GGUFError(f"{path}: key width {d_head} != value width {d_value}; refkv needs them equal")
-    rope_dims = int(get("llama.rope.dimension_count", required=False) or d_head)
+    rope_dims = count("rope.dimension_count", d_head)
     if rope_dims != d_head:
-        raise GGUFError(f"{path}: partial RoPE ({rope_dims} of {d_head} dims) is not supported")
-    vocab = get("llama.vocab_size", required=False)
+        raise GGUFError(f"{path}: partial RoPE ({arch}.rope.dimension_count = {rope_dims} of {d_head} dims "
+                        f"per head) is not supported")
+    rope = {}
+    scaling = get(f"{arch}.rope.scaling.type", required=False)
+    if scaling == "linear":
+        rope = {"rope_type": "linear", "rope_factor": number("rope.scaling.factor", None, 0.0)}
+    elif scaling not in (None, "none"):
+        raise GGUFError(f"{path}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not supported; refkv "
+                        f"implements none, linear, and Llama 3 scaling (rope_freqs.weight)")
+    if "rope_freqs.weight" in tensors:
+        rope["rope_freq_factors"] = _rope_freq_factors(tensors["rope_freqs.weight"], d_head, path)
+    vocab = get(f"{arch}.vocab_size", required=False)
     if vocab is None:
         if "tokenizer.ggml.tokens" in fields:
             vocab = len(fields["tokenizer.ggml.tokens"].data)
-        elif "token_embd.weight" in {t.name for t in reader.tensors}:
-            vocab = int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[1])
+        elif "token_embd.weight" in tensors:
+            vocab = int(tensors["token_embd.weight"].shape[1])
         else:
-            raise GGUFError(f"{path}: cannot tell the vocabulary size (no llama.vocab_size, tokens or embedding)")
+            raise GGUFError(f"{path}: cannot tell the vocabulary size (no {arch}.vocab_size, tokens or embedding)")
+    bias = "blk.0.attn_q.bias" in tensors
     try:
         return ModelConfig(
-            vocab_size=int(vocab), d_model=d_model, n_layers=int(get("llama.block_count")), n_heads=n_heads,
-            n_kv_heads=n_kv_heads, d_head=d_head, d_ff=int(get("llama.feed_forward_length")),
-            rope_base=float(get("llama.rope.freq_base", required=False) or 10000.0),
-            norm_eps=float(get("llama.attention.layer_norm_rms_epsilon")),
-            tie_embeddings="output.weight" not in {t.name for t in reader.tensors},
-            max_positions=int(get("llama.context_length", required=False) or 2048),
-            name=path.name.removesuffix(".gguf"))
+            vocab_size=int(vocab), d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+            n_kv_heads=n_kv_heads, d_head=d_head, d_ff=d_ff,
+            rope_base=number("rope.freq_base", 10000.0, 1.0),
+            norm_eps=number("attention.layer_norm_rms_epsilon", None, 0.0, 1.0),
+            tie_embeddings="output.weight" not in tensors, max_positions=count("context_length"),
+            name=path.name.removesuffix(".gguf"), attention_bias=bias or arch == "qwen2",
+            output_bias="blk.0.attn_output.bias" in tensors, qk_norm=arch == "qwen3", **rope)
     except ValueError as err:
         raise GGUFError(f"{path}: metadata describes an invalid model: {err}") from err
+
+
+def _rows(tensor) -> int | None:
+    """Rows (``ne1``) of a 2-D GGUF tensor, or None."""
+    return None if tensor is None or len(tensor.shape) < 2 else int(tensor.shape[1])
+
+
+def _rope_freq_factors(tensor, d_head: int, path: Path) -> tuple[float, ...]:
+    gguf = _gguf()
+    if tensor.tensor_type.name != "F32" or tensor.n_elements != d_head // 2:
+        raise GGUFError(f"{path}: tensor 'rope_freqs.weight' must be F32 with d_head / 2 = {d_head // 2} values, "
+                        f"got {tensor.tensor_type.name} with {tensor.n_elements}")
+    values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(-1)
+    return tuple(float(v) for v in values)
 
 
 def _vocab(reader) -> GGUFVocab:
@@ -338,6 +448,14 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             f"blk.{i}.attn_output.weight": (cfg.d_model, q), f"blk.{i}.ffn_norm.weight": (cfg.d_model,),
             f"blk.{i}.ffn_gate.weight": (cfg.d_ff, cfg.d_model), f"blk.{i}.ffn_up.weight": (cfg.d_ff, cfg.d_model),
             f"blk.{i}.ffn_down.weight": (cfg.d_model, cfg.d_ff)})
+        if cfg.attention_bias:
+            shapes.update({f"blk.{i}.attn_q.bias": (q,), f"blk.{i}.attn_k.bias": (kv,),
+                           f"blk.{i}.attn_v.bias": (kv,)})
+        if cfg.output_bias:
+            shapes[f"blk.{i}.attn_output.bias"] = (cfg.d_model,)
+        if cfg.qk_norm:
+            shapes.update({f"blk.{i}.attn_q_norm.weight": (cfg.d_head,),
+                           f"blk.{i}.attn_k_norm.weight": (cfg.d_head,)})
     return shapes
 
 
@@ -364,37 +482,49 @@ def _check_tensors(tensors: dict, cfg: ModelConfig, path: Path) -> None:
                             f"for {kind} {shape} (truncated or corrupt file?)")
 
 
-def _weights(tensors: dict, cfg: ModelConfig, dtype: np.dtype) -> ModelWeights:
+def _weights(tensors: dict, cfg: ModelConfig, dtype: np.dtype, permuted: bool, path: Path) -> ModelWeights:
     gguf = _gguf()
+    shapes = _expected_shapes(cfg)
 
     def array(name: str) -> np.ndarray:
         t = tensors[name]
         values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)  # float32 (float64 for F64)
-        return values.reshape(_expected_shapes(cfg)[name])
+        return values.reshape(shapes[name])
+
+    def rows(name: str, rope_heads: int | None) -> np.ndarray:
+        w = array(name)  # (out, in) or (out,)
+        if rope_heads is not None and permuted:  # llama: undo the converter's interleaving
+            w = unpermute_rope_rows(w.reshape(w.shape[0], -1), rope_heads).reshape(w.shape)
+        return w
 
     def dense(name: str, rope_heads: int | None = None) -> np.ndarray:
-        w = array(name)  # (out, in)
-        if rope_heads is not None:
-            w = unpermute_rope_rows(w, rope_heads)
-        return np.ascontiguousarray(w.T, dtype=dtype)  # refkv stores (in, out)
+        return np.ascontiguousarray(rows(name, rope_heads).T, dtype=dtype)  # refkv stores (in, out)
 
-    def vector(name: str) -> np.ndarray:
-        return np.ascontiguousarray(array(name), dtype=dtype)
+    def vector(name: str, rope_heads: int | None = None) -> np.ndarray:
+        return np.ascontiguousarray(rows(name, rope_heads), dtype=dtype)
 
     layers = []
     for i in range(cfg.n_layers):
         b = f"blk.{i}."
+        extra = {}
+        if cfg.attention_bias:
+            extra.update(bq=vector(b + "attn_q.bias", cfg.n_heads), bk=vector(b + "attn_k.bias", cfg.n_kv_heads),
+                         bv=vector(b + "attn_v.bias"))
+        if cfg.output_bias:
+            extra["bo"] = vector(b + "attn_output.bias")
+        if cfg.qk_norm:
+            extra.update(q_norm=vector(b + "attn_q_norm.weight"), k_norm=vector(b + "attn_k_norm.weight"))
         layers.append(LayerWeights(
             attn_norm=vector(b + "attn_norm.weight"), wq=dense(b + "attn_q.weight", cfg.n_heads),
             wk=dense(b + "attn_k.weight", cfg.n_kv_heads), wv=dense(b + "attn_v.weight"),
             wo=dense(b + "attn_output.weight"), mlp_norm=vector(b + "ffn_norm.weight"),
             w_gate=dense(b + "ffn_gate.weight"), w_up=dense(b + "ffn_up.weight"),
-            w_down=dense(b + "ffn_down.weight")))
+            w_down=dense(b + "ffn_down.weight"), **extra))
     lm_head = None if cfg.tie_embeddings else dense("output.weight")
     weights = ModelWeights(embed=vector("token_embd.weight"), layers=tuple(layers),
                            final_norm=vector("output_norm.weight"), lm_head=lm_head)
     try:
         weights.validate(cfg)
     except ValueError as err:  # e.g. NaN in a corrupt file
-        raise GGUFError(f"GGUF weights are unusable: {err}") from err
+        raise GGUFError(f"{path}: GGUF weights are unusable: {err}") from err
     return weights

@@ -1,5 +1,10 @@
 """The per-token building blocks of a Llama-family decoder: RMSNorm, RoPE, SwiGLU.
 
+The architecture variants of Llama 3 and Qwen2/Qwen3 are here too, each a few lines:
+RoPE frequency scaling (:func:`llama3_frequencies`, :func:`rope_frequencies_of`), and
+(used in :meth:`refkv.model.Model.qkv`) q/k/v biases and per-head q/k RMSNorm, which are
+:func:`rms_norm` over the last axis of a ``(heads, T, d_head)`` array.
+
 Every function keeps the dtype of its input (float32 stays float32): constants are
 Python floats, which NumPy treats as "weak" scalars that never promote an array.
 """
@@ -9,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import expit
 
-__all__ = ["apply_rope", "rms_norm", "rope_angles", "swiglu"]
+__all__ = ["apply_rope", "llama3_frequencies", "rms_norm", "rope_angles", "rope_frequencies",
+           "rope_frequencies_of", "swiglu"]
 
 
 def rms_norm(x: np.ndarray, gain: np.ndarray, eps: float) -> np.ndarray:
@@ -25,11 +31,55 @@ def rms_norm(x: np.ndarray, gain: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(mean_square + float(eps)) * gain
 
 
-def rope_angles(positions: np.ndarray, d_head: int, base: float, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Cosines and sines of the rotary angles ``p * base**(-2i/d)`` for each position.
+def rope_frequencies(d_head: int, base: float) -> np.ndarray:
+    """The rotary frequencies ``theta_i = base ** (-2 i / d_head)``, ``i < d_head / 2`` (float64)."""
+    return float(base) ** (-np.arange(0, d_head, 2, dtype=np.float64) / d_head)
+
+
+def llama3_frequencies(inv_freq: np.ndarray, factor: float, low_freq_factor: float, high_freq_factor: float,
+                       original_context: int) -> np.ndarray:
+    """Llama 3.1's RoPE scaling of the frequencies ``inv_freq`` (radians per position).
+
+    Meta's reference ``apply_scaling`` (llama-models, Llama 3.1), the same rule as
+    transformers' ``_compute_llama3_parameters`` and llama.cpp's ``rope_freqs`` factors.
+    With wavelength ``w = 2 pi / theta`` and the band edges
+    ``w_high = original_context / high_freq_factor < w_low = original_context / low_freq_factor``:
+    ``w < w_high`` keeps ``theta``; ``w > w_low`` uses ``theta / factor``; in between
+    ``(1 - s) theta / factor + s theta`` with ``s = (original_context / w - low) / (high - low)``.
+    """
+    wavelength = 2 * np.pi / inv_freq
+    smooth = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = np.where(wavelength > original_context / low_freq_factor, inv_freq / factor, blended)
+    return np.where(wavelength < original_context / high_freq_factor, inv_freq, scaled)
+
+
+def rope_frequencies_of(cfg) -> np.ndarray:
+    """The rotary frequencies of a :class:`~refkv.model.ModelConfig`, scaling applied (float64)."""
+    inv_freq = rope_frequencies(cfg.d_head, cfg.rope_base)
+    if cfg.rope_type == "linear":  # position interpolation: position p behaves as p / factor
+        inv_freq = inv_freq / cfg.rope_factor
+    elif cfg.rope_type == "llama3":
+        inv_freq = llama3_frequencies(inv_freq, cfg.rope_factor, cfg.rope_low_freq_factor,
+                                      cfg.rope_high_freq_factor, cfg.rope_original_context)
+    if cfg.rope_freq_factors is not None:  # llama.cpp's rope_freqs: theta_i / factor_i
+        inv_freq = inv_freq / np.asarray(cfg.rope_freq_factors, dtype=np.float64)
+    return inv_freq
+
+
+def rope_angles(positions: np.ndarray, d_head: int, base: float, dtype,
+                inv_freq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Cosines and sines of the rotary angles ``p * theta_i`` for each position.
 
     The angles are formed in float64 and only then rounded to ``dtype``: at position
     8,000 a float32 product would already lose three digits of the angle.
+
+    Parameters
+    ----------
+    positions : (T,) ints
+    d_head, base
+        Give ``theta_i = base ** (-2i/d_head)`` (:func:`rope_frequencies`) unless ``inv_freq``
+        (``d_head / 2`` frequencies, e.g. from :func:`rope_frequencies_of`) is given.
 
     Returns
     -------
@@ -37,8 +87,9 @@ def rope_angles(positions: np.ndarray, d_head: int, base: float, dtype) -> tuple
         Each frequency appears twice, in dimensions ``i`` and ``i + d_head/2``, to match
         the "rotate half" pairing of :func:`apply_rope`.
     """
-    inv_freq = float(base) ** (-np.arange(0, d_head, 2, dtype=np.float64) / d_head)
-    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    if inv_freq is None:
+        inv_freq = rope_frequencies(d_head, base)
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * np.asarray(inv_freq, dtype=np.float64)[None, :]
     angles = np.concatenate([angles, angles], axis=-1)
     return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
 

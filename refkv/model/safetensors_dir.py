@@ -1,7 +1,8 @@
-"""Read a Hugging Face Llama checkpoint directory: ``config.json`` + ``*.safetensors``.
+"""Read a Hugging Face checkpoint directory: ``config.json`` + ``*.safetensors``.
 
-For users who have an unquantized checkpoint (e.g. ``HuggingFaceTB/SmolLM2-135M-Instruct``
-downloaded by other means); refkv never downloads anything.
+For users who have an unquantized checkpoint (e.g. ``HuggingFaceTB/SmolLM2-135M-Instruct``,
+``meta-llama/Llama-3.2-1B``, ``Qwen/Qwen2.5-0.5B``, ``Qwen/Qwen3-0.6B`` downloaded by other
+means); refkv never downloads anything.
 
 Notes
 -----
@@ -9,42 +10,88 @@ Notes
 (name -> dtype, shape, byte offsets) and raw little-endian tensor bytes. refkv parses
 it directly (no pickle, no ``safetensors`` package needed), which also lets it read
 BF16, the dtype most checkpoints use and NumPy lacks: a bfloat16 is the top half of
-a float32, so ``uint16 << 16`` viewed as float32 is exact.
+a float32, so ``uint16 << 16`` viewed as float32 is exact. F16 and BF16 are upcast
+exactly to the requested float32/float64. A tensor stored in two shards is an error.
 
 **Layout.** Hugging Face stores ``nn.Linear`` weights as (out, in) with q/k rows
 already in the "rotate half" RoPE order refkv uses, so projections are only
 transposed (no un-permutation, unlike GGUF).
 
-**Accepted configs.** ``model_type`` ``"llama"`` (or a ``LlamaForCausalLM``
-architecture), ``hidden_act`` ``"silu"``, no attention/MLP biases, plain RoPE: the base
-comes from ``rope_parameters.rope_theta`` (transformers 5) or ``rope_theta`` (version
-4, default 10000); any ``rope_type`` other than ``"default"`` is refused.
+**Accepted configs** (:data:`ARCHITECTURES`): ``LlamaForCausalLM`` (``model_type`` ``"llama"``),
+``Qwen2ForCausalLM`` (``"qwen2"``) and ``Qwen3ForCausalLM`` (``"qwen3"``), ``hidden_act``
+``"silu"``. RoPE comes from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
+``rope_scaling`` (version 4): ``rope_type`` ``"default"``, ``"linear"`` or ``"llama3"``.
+Attention biases follow transformers: Qwen2 always has q/k/v biases and no output
+bias; Llama and Qwen3 have q/k/v and output biases when ``attention_bias`` is true.
+Qwen3's ``q_norm``/``k_norm`` are read. Refused, each by name with its config key:
+sliding-window attention (``use_sliding_window``, ``layer_types``), mixture of experts
+(``num_experts``, ``num_local_experts``, the ``*_moe`` model types), MLP biases
+(``mlp_bias``), partial rotary embeddings (``partial_rotary_factor``) and every other
+RoPE type (``dynamic``: its frequencies depend on the length seen so far; ``yarn``,
+``longrope``, ...).
 
 **Tokenizer.** If ``tokenizer.json`` is present and describes a byte-level BPE, it is
 turned into the same :class:`~refkv.model.tokenizer.Tokenizer` the GGUF path builds
 (special tokens from ``added_tokens``; the ``smollm`` pre-tokenizer when the
 pre-tokenizer splits digits; EOS and chat template from ``tokenizer_config.json``).
+Loading with a tokenizer (``refkv generate``, experiments) requires it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 
+from ..validation import check_float, check_int
 from .config import ModelConfig
 from .gguf import GGUFVocab, ModelNotFoundError
 from .weights import LayerWeights, ModelWeights
 
-__all__ = ["read_checkpoint", "read_safetensors", "vocab_from_tokenizer_json"]
+__all__ = ["ARCHITECTURES", "CheckpointError", "read_checkpoint", "read_safetensors", "tokenizer_of",
+           "vocab_from_tokenizer_json"]
 
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "BF16": np.dtype("<u2")}
 _MAX_HEADER = 100 * 2**20
 
+#: Hugging Face architecture -> ``model_type`` of the checkpoint families refkv reads.
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
 
 class CheckpointError(ValueError):
     """A checkpoint directory refkv cannot use."""
+
+
+def read_json(file: Path):
+    """The parsed JSON of ``file``; a :class:`CheckpointError` naming the file if it is not JSON."""
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{file}: not valid JSON: {err}") from err
+
+
+def _header_entry(path: Path, name, info, data_size: int) -> tuple[str, tuple[int, ...], int, int]:
+    """Validate one header entry: (dtype name, shape, start, stop) or a CheckpointError naming it."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{where}: header entry must be a JSON object, got {type(info).__name__}")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in info:
+            raise CheckpointError(f"{where}: header entry has no {key!r}")
+    kind, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if kind not in _DTYPES:
+        raise CheckpointError(f"{where} has dtype {kind}; supported: {', '.join(_DTYPES)}")
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise CheckpointError(f"{where}: 'shape' must be a list of integers >= 0, got {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)):
+        raise CheckpointError(f"{where}: 'data_offsets' must be two integers [start, stop], got {offsets!r}")
+    start, stop = offsets
+    if not 0 <= start <= stop <= data_size or stop - start != math.prod(shape) * _DTYPES[kind].itemsize:
+        raise CheckpointError(f"{where} bytes [{start}, {stop}) do not fit its shape {tuple(shape)} or the "
+                              f"file (truncated?)")
+    return kind, tuple(shape), start, stop
 
 
 def read_safetensors(path) -> dict[str, np.ndarray]:
@@ -53,7 +100,8 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
     Raises
     ------
     CheckpointError
-        A malformed header, an unsupported dtype or a file shorter than its header says.
+        A malformed header (naming the entry and field), an unsupported dtype or a file
+        shorter than its header says.
     """
     path = Path(path)
     raw = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
@@ -66,53 +114,155 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
         header = json.loads(bytes(raw[8:8 + n]).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{path}: the header is not JSON: {err}") from err
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the header must be a JSON object, got {type(header).__name__}")
     data = raw[8 + n:]
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        kind, shape, (start, stop) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        if kind not in _DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {kind}; supported: {', '.join(_DTYPES)}")
-        dtype = _DTYPES[kind]
-        if not 0 <= start <= stop <= data.size or stop - start != int(np.prod(shape)) * dtype.itemsize:
-            raise CheckpointError(f"{path}: tensor {name!r} bytes [{start}, {stop}) do not fit its shape "
-                                  f"{shape} or the file (truncated?)")
-        array = data[start:stop].view(dtype).reshape(shape)
+        kind, shape, start, stop = _header_entry(path, name, info, data.size)
+        array = data[start:stop].view(_DTYPES[kind]).reshape(shape)
         if kind == "BF16":
             array = (array.astype(np.uint32) << 16).view(np.float32)
         tensors[name] = np.asarray(array)
     return tensors
 
 
+class _Fields:
+    """Typed reads of ``config.json`` fields, each error naming the file and the key."""
+
+    def __init__(self, file: Path, cfg: dict):
+        self.file, self.cfg = file, cfg
+
+    def error(self, message: str) -> CheckpointError:
+        return CheckpointError(f"{self.file}: {message}")
+
+    def _check(self, check, key, value, *args, **kwargs):
+        try:
+            return check(key, value, *args, **kwargs)
+        except ValueError as err:
+            raise self.error(str(err)) from None
+
+    def integer(self, key: str, default=None, low: int = 1) -> int:
+        value = self.cfg.get(key)
+        if value is None:
+            if default is None:
+                raise self.error(f"{key!r} is missing")
+            return default
+        return self._check(check_int, key, value, low)
+
+    def number(self, key: str, value, low=None, high=None, **kwargs) -> float:
+        return self._check(check_float, key, value, low, high, **kwargs)
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        value = self.cfg.get(key, default)
+        value = default if value is None else value
+        if not isinstance(value, bool):
+            raise self.error(f"{key} must be true or false, got {value!r}")
+        return value
+
+
+def _family(f: _Fields) -> str:
+    cfg = f.cfg
+    arch, archs = cfg.get("model_type"), cfg.get("architectures") or []
+    if not isinstance(archs, list):
+        raise f.error(f"architectures must be a list of names, got {archs!r}")
+    moe = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(k)]
+    if moe or (isinstance(arch, str) and "moe" in arch.lower()):
+        key = moe[0] if moe else "model_type"
+        raise f.error(f"mixture-of-experts models are not supported (config key {key!r} = {cfg.get(key)!r}); "
+                      f"refkv reads dense {', '.join(ARCHITECTURES)} checkpoints")
+    if arch not in ARCHITECTURES.values():
+        known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
+        if arch is not None or not known:
+            raise f.error(f"model_type {arch!r} (architectures {archs}) is not supported; refkv reads "
+                          f"{', '.join(ARCHITECTURES)} checkpoints")
+        arch = known[0]
+    return arch
+
+
+def _rope(f: _Fields) -> dict:
+    """ModelConfig fields of the RoPE settings (transformers 5 ``rope_parameters`` or v4 keys)."""
+    cfg = f.cfg
+    key = "rope_parameters" if cfg.get("rope_parameters") is not None else "rope_scaling"
+    rope = cfg.get(key) or {}
+    if not isinstance(rope, dict):
+        raise f.error(f"{key} must be a JSON object or null, got {rope!r}")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "dynamic":
+        raise f.error(f"RoPE type 'dynamic' ({key}.rope_type) is not supported: its frequencies depend on the "
+                      f"length seen so far, so cached keys and new keys would be rotated differently")
+    if kind not in ("default", "linear", "llama3"):
+        raise f.error(f"RoPE type {kind!r} ({key}.rope_type) is not supported; refkv implements "
+                      f"'default', 'linear' and 'llama3'")
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise f.error(f"partial rotary embeddings (partial_rotary_factor = {partial!r}) are not supported")
+    fields = {"rope_base": f.number("rope_theta", rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+                                    1.0, low_open=True), "rope_type": kind}
+
+    def need(name):
+        if rope.get(name) is None:
+            raise f.error(f"{key}.{name} is missing (needed by rope_type {kind!r})")
+        return rope[name]
+
+    if kind in ("linear", "llama3"):
+        fields["rope_factor"] = f.number(f"{key}.factor", need("factor"), 0.0, low_open=True)
+    if kind == "llama3":
+        fields["rope_low_freq_factor"] = f.number(f"{key}.low_freq_factor", need("low_freq_factor"), 0.0,
+                                                  low_open=True)
+        fields["rope_high_freq_factor"] = f.number(f"{key}.high_freq_factor", need("high_freq_factor"),
+                                                   fields["rope_low_freq_factor"], low_open=True)
+        fields["rope_original_context"] = f._check(check_int, f"{key}.original_max_position_embeddings",
+                                                   need("original_max_position_embeddings"), 1)
+    return fields
+
+
 def _config(path: Path) -> ModelConfig:
     file = path / "config.json"
     if not file.is_file():
         raise ModelNotFoundError(f"{path} has no config.json; not a Hugging Face checkpoint directory")
-    cfg = json.loads(file.read_text(encoding="utf-8"))
-    arch = cfg.get("model_type")
-    if arch != "llama" and "LlamaForCausalLM" not in cfg.get("architectures", []):
-        raise CheckpointError(f"{file}: model_type {arch!r} is not supported; refkv reads Llama checkpoints")
-    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise CheckpointError(f"{file}: only SiLU MLPs without biases are supported")
-    # transformers 5 writes "rope_parameters" {"rope_type", "rope_theta"}; version 4 wrote
-    # "rope_theta" and an optional "rope_scaling" {"type" or "rope_type", ...}.
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise CheckpointError(f"{file}: RoPE scaling {rope!r} is not supported (plain RoPE only)")
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    heads = int(cfg["num_attention_heads"])
+    cfg = read_json(file)
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{file}: must hold a JSON object (the model config), got {type(cfg).__name__}")
+    f = _Fields(file, cfg)
+    family = _family(f)
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise f.error(f"hidden_act {cfg.get('hidden_act')!r} is not supported; only SiLU (SwiGLU) MLPs")
+    if f.flag("mlp_bias"):
+        raise f.error("MLP biases (mlp_bias = true) are not supported")
+    if family != "llama":  # Llama has no sliding window; Qwen2/3 have one behind these keys
+        if f.flag("use_sliding_window"):
+            raise f.error("sliding-window attention (use_sliding_window = true) is not supported")
+        types = cfg.get("layer_types") or []
+        if not isinstance(types, list) or any(t != "full_attention" for t in types):
+            raise f.error(f"layer_types {types!r}: only 'full_attention' layers are supported "
+                          f"(sliding-window attention is not)")
+    d_model, heads = f.integer("hidden_size"), f.integer("num_attention_heads")
+    head_dim = cfg.get("head_dim")
+    if head_dim is None and family == "qwen3":
+        head_dim = 128  # Qwen3Config's default
+    elif head_dim is None:
+        if d_model % heads:
+            raise f.error(f"hidden_size {d_model} is not a multiple of num_attention_heads {heads} and "
+                          f"head_dim is not given")
+        head_dim = d_model // heads
+    bias = family == "qwen2" or f.flag("attention_bias")
     try:
         return ModelConfig(
-            vocab_size=int(cfg["vocab_size"]), d_model=int(cfg["hidden_size"]),
-            n_layers=int(cfg["num_hidden_layers"]), n_heads=heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            d_head=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-            d_ff=int(cfg["intermediate_size"]), rope_base=float(theta),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_positions=int(cfg.get("max_position_embeddings", 2048)), name=path.name)
-    except (KeyError, ValueError) as err:
-        raise CheckpointError(f"{file}: not a usable Llama config: {err!r}") from err
+            vocab_size=f.integer("vocab_size"), d_model=d_model, n_layers=f.integer("num_hidden_layers"),
+            n_heads=heads, n_kv_heads=f.integer("num_key_value_heads", heads),
+            d_head=f._check(check_int, "head_dim", head_dim, 1), d_ff=f.integer("intermediate_size"),
+            norm_eps=f.number("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6), 0.0, 1.0, low_open=True,
+                              high_open=True),
+            tie_embeddings=f.flag("tie_word_embeddings"),
+            max_positions=f.integer("max_position_embeddings", 2048), name=path.name,
+            attention_bias=bias, output_bias=bias and family != "qwen2", qk_norm=family == "qwen3", **_rope(f))
+    except CheckpointError:
+        raise
+    except ValueError as err:
+        raise f.error(f"not a usable {family} config: {err}") from err
 
 
 def read_checkpoint(path, dtype=np.float32, *, tokenizer: bool = True):
@@ -123,17 +273,38 @@ def read_checkpoint(path, dtype=np.float32, *, tokenizer: bool = True):
     config : ModelConfig
     weights : ModelWeights
     tokenizer : Tokenizer or None
-        ``None`` if not asked for or the directory has no ``tokenizer.json``.
+        ``None`` if not asked for.
+
+    Raises
+    ------
+    ModelNotFoundError
+        No ``config.json``, no ``*.safetensors``, or (``tokenizer=True``) no ``tokenizer.json``.
+    CheckpointError
+        Anything else refkv cannot use, naming the file and the key or tensor.
     """
     path = Path(path)
     config = _config(path)
+    if tokenizer and not (path / "tokenizer.json").is_file():
+        raise ModelNotFoundError(f"{path / 'tokenizer.json'} not found: generating text and running experiments "
+                                 f"need the checkpoint's tokenizer (copy tokenizer.json from the same checkpoint)")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{path} has no *.safetensors files")
-    tensors = {}
+    tensors, origin = {}, {}
     for file in files:
-        tensors.update(read_safetensors(file))
+        for name, array in read_safetensors(file).items():
+            if name in tensors:
+                raise CheckpointError(f"{path}: tensor {name!r} is in two shards, {origin[name].name} and "
+                                      f"{file.name}; which one is meant is unknown")
+            tensors[name], origin[name] = array, file
+    weights = _weights(path, config, tensors, dtype)
+    tok = None
+    if tokenizer:
+        tok = tokenizer_of(path)
+    return config, weights, tok
 
+
+def _weights(path: Path, c: ModelConfig, tensors: dict, dtype) -> ModelWeights:
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in tensors:
             raise CheckpointError(f"{path}: tensor {name!r} is missing")
@@ -147,31 +318,60 @@ def read_checkpoint(path, dtype=np.float32, *, tokenizer: bool = True):
     def vector(name: str, n: int) -> np.ndarray:
         return np.ascontiguousarray(get(name, (n,)), dtype=dtype)
 
-    c = config
     q, kv = c.n_heads * c.d_head, c.n_kv_heads * c.d_head
     layers = []
     for i in range(c.n_layers):
         p = f"model.layers.{i}."
+        a = p + "self_attn."
+        extra = {}
+        if c.attention_bias:
+            extra.update(bq=vector(a + "q_proj.bias", q), bk=vector(a + "k_proj.bias", kv),
+                         bv=vector(a + "v_proj.bias", kv))
+        if c.output_bias:
+            extra["bo"] = vector(a + "o_proj.bias", c.d_model)
+        if c.qk_norm:
+            extra.update(q_norm=vector(a + "q_norm.weight", c.d_head), k_norm=vector(a + "k_norm.weight", c.d_head))
         layers.append(LayerWeights(
             attn_norm=vector(p + "input_layernorm.weight", c.d_model),
-            wq=dense(p + "self_attn.q_proj.weight", q, c.d_model),
-            wk=dense(p + "self_attn.k_proj.weight", kv, c.d_model),
-            wv=dense(p + "self_attn.v_proj.weight", kv, c.d_model),
-            wo=dense(p + "self_attn.o_proj.weight", c.d_model, q),
+            wq=dense(a + "q_proj.weight", q, c.d_model),
+            wk=dense(a + "k_proj.weight", kv, c.d_model),
+            wv=dense(a + "v_proj.weight", kv, c.d_model),
+            wo=dense(a + "o_proj.weight", c.d_model, q),
             mlp_norm=vector(p + "post_attention_layernorm.weight", c.d_model),
             w_gate=dense(p + "mlp.gate_proj.weight", c.d_ff, c.d_model),
             w_up=dense(p + "mlp.up_proj.weight", c.d_ff, c.d_model),
-            w_down=dense(p + "mlp.down_proj.weight", c.d_model, c.d_ff)))
+            w_down=dense(p + "mlp.down_proj.weight", c.d_model, c.d_ff), **extra))
     embed = np.ascontiguousarray(get("model.embed_tokens.weight", (c.vocab_size, c.d_model)), dtype=dtype)
     lm_head = None if c.tie_embeddings else dense("lm_head.weight", c.vocab_size, c.d_model)
     weights = ModelWeights(embed, tuple(layers), vector("model.norm.weight", c.d_model), lm_head)
-    weights.validate(config)
-    tok = None
-    if tokenizer and (path / "tokenizer.json").is_file():
-        from .tokenizer import Tokenizer
+    try:
+        weights.validate(c)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from err
+    return weights
 
-        tok = Tokenizer(vocab_from_tokenizer_json(path))
-    return config, weights, tok
+
+def tokenizer_of(path):
+    """The :class:`~refkv.model.tokenizer.Tokenizer` of a directory's ``tokenizer.json``, used as it is.
+
+    The ``tokenizers`` object read from the file does the encoding (its own normalizer and
+    pre-tokenizer: Llama 3 and Qwen2 do not split like GPT-2); refkv's table of token bytes
+    does the decoding, as for GGUF files.
+    """
+    from .tokenizer import Tokenizer
+
+    vocab = vocab_from_tokenizer_json(path)
+    try:
+        from tokenizers import Tokenizer as Backend
+    except ImportError as err:
+        raise ModuleNotFoundError("the tokenizer needs the 'tokenizers' package: pip install tokenizers  "
+                                  "(the 'models' extra: pip install -e '.[models]' in a checkout)") from err
+    file = Path(path) / "tokenizer.json"
+    try:
+        backend = Backend.from_file(str(file))
+    except Exception as err:  # the library raises its own exception type for a file it cannot use
+        raise CheckpointError(f"{file}: the tokenizers library cannot read it: {err}") from err
+    return Tokenizer(vocab, backend=backend)
 
 
 def vocab_from_tokenizer_json(path) -> GGUFVocab:
@@ -183,7 +383,15 @@ def vocab_from_tokenizer_json(path) -> GGUFVocab:
         If the tokenizer is not a byte-level BPE.
     """
     path = Path(path)
-    spec = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+    file = path / "tokenizer.json"
+    spec = read_json(file)
+    try:
+        return _vocab(path, spec)
+    except (KeyError, TypeError, AttributeError, IndexError) as err:
+        raise CheckpointError(f"{file}: malformed tokenizer ({type(err).__name__}: {err})") from err
+
+
+def _vocab(path: Path, spec) -> GGUFVocab:
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
         raise CheckpointError(f"{path / 'tokenizer.json'}: only byte-level BPE tokenizers are supported")
@@ -200,7 +408,7 @@ def vocab_from_tokenizer_json(path) -> GGUFVocab:
     merges = tuple(tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges", []))
     settings = {}
     if (path / "tokenizer_config.json").is_file():
-        settings = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        settings = read_json(path / "tokenizer_config.json")
 
     def token_id(key):
         value = settings.get(key)

@@ -26,7 +26,10 @@ characters; :meth:`Tokenizer.encode` raises ``ValueError`` naming them instead
 (``\\p{N}``), then GPT-2's split (contractions, ``" ?"`` + letters, ``" ?"`` +
 numbers, ``" ?"`` + other symbols, whitespace runs). In ``tokenizers`` terms:
 ``Sequence([Digits(individual_digits=True), ByteLevel(add_prefix_space=False)])``.
-Other ``pre`` names (``gpt2``, ``default``...) get plain GPT-2 splitting.
+``gpt2`` and ``default`` get plain GPT-2 splitting; other names (Llama 3's ``llama-bpe``,
+``qwen2``, ...) are refused rather than split wrongly. A Hugging Face
+checkpoint's ``tokenizer.json`` is used as it is (its own pre-tokenizer and normalizer:
+Llama 3 and Qwen2 split numbers and text by their own rules).
 
 **Special tokens.** Control tokens (GGUF token type 3, e.g. ``<|im_start|>``) are
 registered as special: :meth:`Tokenizer.encode` with ``special=True`` turns their
@@ -62,7 +65,11 @@ __all__ = [
 
 CONTROL, USER_DEFINED = 3, 4
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-_DEFAULT_SYSTEM = re.compile(re.escape(IM_START) + r"system\n(.*?)" + re.escape(IM_END), re.DOTALL)
+# A default system turn written out as a literal in the template: "<|im_start|>system", a
+# newline (a real one, or Jinja's backslash-n escape as Qwen2.5's tokenizer_config.json
+# has it), then plain text up to "<|im_end|>". Text with quotes or braces is template code
+# (Qwen3 builds its system turn from the messages) and is not taken for a default.
+_DEFAULT_SYSTEM = re.compile(re.escape(IM_START) + r"system(?:\n|\\n)([^'\"{}\\]*?)" + re.escape(IM_END))
 
 
 @cache
@@ -127,6 +134,10 @@ class _Base:
         return StreamDecoder(self)
 
 
+#: ``tokenizer.ggml.pre`` names whose splitting :class:`Tokenizer` rebuilds from GGUF fields.
+GGUF_PRE_TOKENIZERS = ("smollm", "gpt2", "default")
+
+
 class Tokenizer(_Base):
     """The byte-level BPE tokenizer described by a GGUF file.
 
@@ -134,6 +145,11 @@ class Tokenizer(_Base):
     ----------
     vocab : refkv.model.gguf.GGUFVocab
         The ``tokenizer.ggml.*`` fields.
+    backend : tokenizers.Tokenizer, optional
+        The model's own ``tokenizers`` object (read from a checkpoint's ``tokenizer.json``):
+        its normalizer, pre-tokenizer and BPE settings are then used as they are, which is
+        what Llama 3's and Qwen2's own splitting rules need. Without it the backend is
+        rebuilt from ``vocab`` (pre-tokenizer ``smollm`` or GPT-2).
 
     Raises
     ------
@@ -142,7 +158,7 @@ class Tokenizer(_Base):
         normal token holds a character outside the byte alphabet.
     """
 
-    def __init__(self, vocab):
+    def __init__(self, vocab, *, backend=None):
         if vocab.model != "gpt2":
             raise ValueError(f"tokenizer model {vocab.model!r} is not supported; refkv reads byte-level BPE "
                              f"('gpt2') vocabularies only")
@@ -158,15 +174,21 @@ class Tokenizer(_Base):
         self.special_ids = frozenset(int(i) for i in np.flatnonzero((types == CONTROL) | (types == USER_DEFINED)))
         self._bytes = self._token_bytes_table(vocab.tokens, self.special_ids)
 
-        backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)}, merges=list(vocab.merges),
-                                     fuse_unk=False, byte_fallback=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if vocab.pre == "smollm":
-            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                             byte_level])
-        else:
-            backend.pre_tokenizer = byte_level
-        backend.decoder = decoders.ByteLevel()
+        if backend is None and vocab.pre not in GGUF_PRE_TOKENIZERS:
+            raise ValueError(f"tokenizer.ggml.pre {vocab.pre!r} is not implemented: refkv rebuilds "
+                             f"{', '.join(repr(p) for p in GGUF_PRE_TOKENIZERS)} splitting from GGUF fields, and "
+                             f"others (Llama 3's 'llama-bpe', 'qwen2') split text differently; load the model's "
+                             f"Hugging Face checkpoint directory instead (its tokenizer.json is used as it is)")
+        if backend is None:  # rebuilt from the GGUF fields
+            backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)},
+                                         merges=list(vocab.merges), fuse_unk=False, byte_fallback=False))
+            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+            if vocab.pre == "smollm":
+                backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                                 byte_level])
+            else:
+                backend.pre_tokenizer = byte_level
+            backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens([AddedToken(vocab.tokens[i], special=True, normalized=False)
                                     for i in sorted(self.special_ids)])
         self.backend = backend

@@ -35,6 +35,13 @@ class LayerWeights:
         RMSNorm gain before the MLP.
     w_gate, w_up : (d_model, d_ff)
     w_down : (d_ff, d_model)
+    bq : (H * d_head,) or None
+    bk, bv : (Hkv * d_head,) or None
+        q/k/v projection biases, present exactly when ``config.attention_bias`` (Qwen2).
+    bo : (d_model,) or None
+        Output projection bias, present exactly when ``config.output_bias``.
+    q_norm, k_norm : (d_head,) or None
+        Per-head RMSNorm gains of q and k, present exactly when ``config.qk_norm`` (Qwen3).
     """
 
     attn_norm: np.ndarray
@@ -46,15 +53,34 @@ class LayerWeights:
     w_gate: np.ndarray
     w_up: np.ndarray
     w_down: np.ndarray
+    # -- optional, by architecture (None when the config does not use them) --------------
+    bq: np.ndarray | None = None
+    bk: np.ndarray | None = None
+    bv: np.ndarray | None = None
+    bo: np.ndarray | None = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
 
     def expected_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every array ``cfg`` needs (the optional ones only when used)."""
         q, kv = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
-        return {
+        shapes = {
             "attn_norm": (cfg.d_model,), "wq": (cfg.d_model, q), "wk": (cfg.d_model, kv),
             "wv": (cfg.d_model, kv), "wo": (q, cfg.d_model), "mlp_norm": (cfg.d_model,),
             "w_gate": (cfg.d_model, cfg.d_ff), "w_up": (cfg.d_model, cfg.d_ff),
             "w_down": (cfg.d_ff, cfg.d_model),
         }
+        if cfg.attention_bias:
+            shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+        if cfg.output_bias:
+            shapes["bo"] = (cfg.d_model,)
+        if cfg.qk_norm:
+            shapes.update(q_norm=(cfg.d_head,), k_norm=(cfg.d_head,))
+        return shapes
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Name -> array of the weights present (the optional ones that are None left out)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
 @dataclass(frozen=True)
@@ -94,8 +120,16 @@ class ModelWeights:
             top["lm_head"] = (cfg.d_model, cfg.vocab_size)
         checks = [(name, getattr(self, name), shape) for name, shape in top.items()]
         for i, layer in enumerate(self.layers):
-            checks += [(f"layers[{i}].{name}", getattr(layer, name), shape)
-                       for name, shape in layer.expected_shapes(cfg).items()]
+            expected = layer.expected_shapes(cfg)
+            checks += [(f"layers[{i}].{name}", getattr(layer, name), shape) for name, shape in expected.items()]
+            for name in set(layer.arrays()) - set(expected):
+                raise ValueError(f"weight layers[{i}].{name} is given but the config does not use it "
+                                 f"(attention_bias={cfg.attention_bias}, output_bias={cfg.output_bias}, "
+                                 f"qk_norm={cfg.qk_norm})")
+        # Beyond sqrt(max) a value's square overflows (RMSNorm squares activations, q . k
+        # multiplies them): no trained model has such weights, a corrupt file or a broken
+        # dequantisation scale does. float64 has room for what float32 cannot hold.
+        limit = float(np.sqrt(np.finfo(dtype).max))
         for name, array, shape in checks:
             if not isinstance(array, np.ndarray):
                 raise ValueError(f"weight {name} must be a numpy array, got {type(array).__name__}")
@@ -105,6 +139,10 @@ class ModelWeights:
                 raise ValueError(f"weight {name} has dtype {array.dtype}, expected {dtype} like embed")
             if not np.all(np.isfinite(array)):
                 raise ValueError(f"weight {name} contains NaN or inf; weights must be finite")
+            peak = float(np.max(np.abs(array))) if array.size else 0.0
+            if peak > limit:
+                raise ValueError(f"weight {name} has a value of magnitude {peak:.3g}, beyond {limit:.3g} (the "
+                                 f"square root of the largest {dtype}): the forward pass would overflow")
 
     def astype(self, dtype) -> ModelWeights:
         """A copy with every array cast to ``dtype`` (float32 or float64)."""
@@ -140,17 +178,30 @@ def random_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float64) -> ModelWe
     def gain(n):
         return 1.0 + 0.1 * rng.standard_normal(n)
 
+    def bias(n):  # large enough to move q . k visibly (Qwen2's trained k biases reach tens)
+        return 0.5 * rng.standard_normal(n)
+
     q, kv = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
     embed = rng.standard_normal((cfg.vocab_size, cfg.d_model))
     layers = []
     for _ in range(cfg.n_layers):
-        layers.append(LayerWeights(
+        layers.append(dict(
             attn_norm=gain(cfg.d_model), wq=dense(cfg.d_model, q), wk=dense(cfg.d_model, kv),
             wv=dense(cfg.d_model, kv), wo=dense(q, cfg.d_model), mlp_norm=gain(cfg.d_model),
             w_gate=dense(cfg.d_model, cfg.d_ff), w_up=dense(cfg.d_model, cfg.d_ff),
             w_down=dense(cfg.d_ff, cfg.d_model)))
     final_norm = gain(cfg.d_model)
     lm_head = None if cfg.tie_embeddings else dense(cfg.d_model, cfg.vocab_size)
+    # The variants' arrays are drawn after all of Llama 2's: a variant config gets the same
+    # Llama 2 arrays as the plain config, plus its own (and a plain config is unchanged).
+    for layer in layers:
+        if cfg.attention_bias:
+            layer.update(bq=bias(q), bk=bias(kv), bv=bias(kv))
+        if cfg.output_bias:
+            layer["bo"] = bias(cfg.d_model)
+        if cfg.qk_norm:
+            layer.update(q_norm=gain(cfg.d_head), k_norm=gain(cfg.d_head))
+    layers = [LayerWeights(**layer) for layer in layers]
     weights = ModelWeights(embed, tuple(layers), final_norm, lm_head).astype(dtype)
     weights.validate(cfg)
     return weights

@@ -4,7 +4,10 @@
 * :mod:`refkv.oracle.io` -- atomic, reproducible writing; reading without pickle;
 * :mod:`refkv.oracle.vectors` -- score-function test vectors (JSON);
 * :mod:`refkv.oracle.endtoend` -- end-to-end goldens of the built-in model (JSON + npz);
-* :mod:`refkv.oracle.compare` -- shape/dtype/value and tie-aware retention comparison;
+* :mod:`refkv.oracle.compare` -- comparison, split by level: :mod:`~refkv.oracle.arrays`,
+  :mod:`~refkv.oracle.tolerance`, :mod:`~refkv.oracle.declare`, :mod:`~refkv.oracle.retention`,
+  :mod:`~refkv.oracle.cases`, :mod:`~refkv.oracle.walk`, :mod:`~refkv.oracle.checker`,
+  :mod:`~refkv.oracle.report`, :mod:`~refkv.oracle.status`;
 * :mod:`refkv.oracle.suite` -- the suite ``refkv golden generate`` writes;
 * :mod:`refkv.oracle.cli` -- the ``refkv golden`` command.
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 
 __all__ = ["add_golden_command"]
@@ -34,21 +33,39 @@ def add_golden_command(sub) -> None:
     c.add_argument("--policies", nargs="+", metavar="NAME", help="only these policies")
     c.add_argument("--kind", choices=("all", "vectors", "e2e"), default="all", help="which files to check")
     c.add_argument("--allow-missing", action="store_true", help="skip suite files the candidate lacks")
-    c.add_argument("--dtype", choices=("float32", "float64"),
-                   help="only cases and end-to-end goldens of this dtype (e.g. a float32-only kernel)")
+    c.add_argument("--dtype", metavar="D",
+                   help="the precision the candidate computed in: float64, float32, bfloat16 or float16 "
+                        "(tolerances derive from it; overrides the candidate files' computed_dtype). Also selects "
+                        "the reference cases: float64 cases for float64, float32 cases otherwise")
+    c.add_argument("--case-dtype", choices=("float32", "float64", "all"),
+                   help="which reference cases and end-to-end goldens to compare (default: from --dtype; all "
+                        "without it)")
+    c.add_argument("--declare", action="append", metavar="KEY=VALUE", default=[],
+                   help="a declared difference, printed in the report: scores=exact|positive_multiple|monotone, "
+                        "pinned=protected or pinned=POS,POS,..., kept_only=true (overrides the candidate files')")
+    c.add_argument("--kept-only", action="store_true", help="same as --declare kept_only=true")
+    c.add_argument("--final-only", action="store_true",
+                   help="end-to-end goldens: the candidate gives only its final cache (kept, kept_count after the "
+                        "last block) and logits; weaker than the per-block check")
     c.add_argument("--default-params", action="store_true",
                    help="only vector cases with the policies' default parameters (no variants)")
     c.add_argument("--strict-ties", action="store_true",
                    help="fail on accepted ties too (the candidate must follow refkv's tie rule exactly)")
     c.add_argument("--tolerance-factor", type=float, default=1.0,
-                   help="multiply every tolerance of the suite by this factor")
+                   help="explicit override: multiply every derived tolerance by this finite factor > 0 "
+                        "(shown in the report)")
     c.add_argument("--exact-dtype", action="store_true",
                    help="require identical dtypes (default: same kind, float/integer/bool)")
     c.add_argument("--verbose", action="store_true", help="list passing files and every tie")
     c.set_defaults(func=_cmd_check)
 
-    w = gsub.add_parser("weights", help="export the built-in model's weights (npz + JSON manifest)")
+    from .endtoend import MODELS
+
+    w = gsub.add_parser("weights", help="export the weights of an end-to-end golden's model (npz + JSON manifest)")
     w.add_argument("--out", required=True, help="the .npz file to write")
+    w.add_argument("--model", default="tiny", choices=sorted(MODELS),
+                   help="which model: the built-in tiny Llama or a tiny model of another architecture "
+                        "(default tiny)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--dtype", choices=("float32", "float64"), default="float64")
     w.set_defaults(func=_cmd_weights)
@@ -69,24 +86,35 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_check(args) -> int:
-    from .compare import check_suite
+    from ..validation import check_float
+    from .checker import check_suite
+    from .declare import parse_cli_declaration
+    from .tolerance import check_dtype_name
 
+    factor = check_float("--tolerance-factor", args.tolerance_factor, 0.0, low_open=True)
+    if args.dtype is not None:
+        try:
+            check_dtype_name(args.dtype)
+        except ValueError as err:
+            raise ValueError(f"--{err}") from None
+    declare = dict(parse_cli_declaration(text) for text in args.declare)
+    if args.kept_only:
+        declare["kept_only"] = True
     kinds = ("vectors", "e2e") if args.kind == "all" else (args.kind,)
     report = check_suite(args.candidate, args.against, policies=_names(args.policies), kinds=kinds,
-                         allow_missing=args.allow_missing, tolerance_factor=args.tolerance_factor,
+                         allow_missing=args.allow_missing, tolerance_factor=factor,
                          strict_ties=args.strict_ties, check_dtype=True if args.exact_dtype else "kind",
-                         dtype=args.dtype, default_params_only=args.default_params)
+                         dtype=args.dtype, declare=declare or None, case_dtype=args.case_dtype,
+                         default_params_only=args.default_params, final_only=args.final_only,
+                         source="command line")
     print(report.format(verbose=args.verbose))
-    if not report.files:
-        print("refkv golden check: nothing was compared", file=sys.stderr)
-        return 1
     return 0 if report.ok else 1
 
 
 def _cmd_weights(args) -> int:
     from .endtoend import export_weights
 
-    m = export_weights(args.out, seed=args.seed, dtype=args.dtype)
-    print(f"wrote {len(m['arrays']['contents'])} arrays of the built-in model (seed {args.seed}, {args.dtype}) to "
+    m = export_weights(args.out, seed=args.seed, dtype=args.dtype, model=args.model)
+    print(f"wrote {len(m['arrays']['contents'])} arrays of model {args.model} (seed {args.seed}, {args.dtype}) to "
           f"{args.out} and its manifest to {m['arrays']['file'].rsplit('.', 1)[0]}.json")
     return 0

@@ -27,20 +27,21 @@ hand (see :mod:`refkv.oracle.compare`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..engine import Engine, blocks
-from ..model import builtin_model
+from ..model import Model, builtin_model, families
 from ..policies import Policy
-from .io import read_json, read_npz, sha256, write_json, write_npz
+from .io import atomic_write, dumps, npz_bytes, read_json, read_npz, sha256, write_json, write_npz
 from .schema import E2E_SCHEMA, FLOAT_FORMAT, check_header, header, require
 from .vectors import boundary_gap, json_params
 
-__all__ = ["DEFAULT_E2E_TOLERANCE", "EndToEnd", "export_weights", "policy_from_manifest", "prompt_tokens",
-           "read_end_to_end", "run_end_to_end", "write_end_to_end"]
+__all__ = ["DEFAULT_E2E_TOLERANCE", "MODELS", "EndToEnd", "build_model", "end_to_end_files", "export_weights",
+           "policy_from_manifest", "prompt_tokens", "read_end_to_end", "run_end_to_end", "write_end_to_end"]
 
 #: rtol per dtype for logits and for score ties; ``atol = rtol * max(1, largest finite |value|)``.
 DEFAULT_E2E_TOLERANCE = {"float64": 1e-8, "float32": 1e-4}
@@ -50,32 +51,34 @@ REFERENCE_ARRAYS = ("prompt", "kept", "kept_count", "candidates", "candidate_cou
 CANDIDATE_ARRAYS = ("kept", "kept_count", "logits")
 
 PROMPT_RULE = "numpy.random.default_rng(seed).integers(0, vocab_size, length)"
-WEIGHTS_RULE = "refkv.model.random_weights(config, seed, dtype) (export: refkv golden weights)"
+WEIGHTS_RULE = ("refkv.model.random_weights(config, seed, dtype), config from refkv.model.builtin_model or "
+                "refkv.model.families.tiny (export: refkv golden weights --model NAME)")
+
+
+#: The models end-to-end goldens can run: name -> ``builder(seed, dtype) -> Model``. A tiny model
+#: of another architecture (RoPE scaling, biases, q/k norms) becomes a golden with one entry
+#: here; :data:`refkv.oracle.suite.E2E_MODELS` chooses which of them the suite holds.
+MODELS: dict[str, Callable[[int, str], Model]] = {
+    "tiny": lambda seed, dtype: builtin_model(seed=seed, dtype=dtype),
+    # The architectures the papers and the backends use (refkv.model.families): Llama 3 RoPE
+    # scaling with an original context shorter than the prompts, Qwen2 q/k/v biases, Qwen3
+    # per-head q/k RMSNorm and a head width other than d_model / n_heads.
+    "llama3": lambda seed, dtype: families.tiny("llama3", seed=seed, dtype=dtype),
+    "qwen2": lambda seed, dtype: families.tiny("qwen2", seed=seed, dtype=dtype),
+    "qwen3": lambda seed, dtype: families.tiny("qwen3", seed=seed, dtype=dtype),
+}
+
+
+def build_model(name: str, seed: int, dtype) -> Model:
+    """The model ``name`` of :data:`MODELS` with weights seeded by ``seed``, in ``dtype``."""
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
+    return MODELS[name](seed, np.dtype(dtype).name)
 
 
 def prompt_tokens(seed: int, length: int, vocab_size: int) -> np.ndarray:
     """The seeded prompt of an end-to-end golden (``PROMPT_RULE``)."""
     return np.random.default_rng(seed).integers(0, vocab_size, length).astype(np.int64)
-
-
-class _Recorder:
-    """Stands in for the engine's policy and logs every eviction it is asked to make."""
-
-    def __init__(self, policy: Policy, engine: Engine, log: dict):
-        self._policy, self._engine, self._log = policy, engine, log
-
-    def __getattr__(self, name):
-        return getattr(self._policy, name)
-
-    def keep_indices(self, view, budget):
-        block = len(self._engine.trace.kept)
-        key = (block, view.layer)
-        if key in self._log:
-            raise RuntimeError(f"two evictions in block {block}, layer {view.layer}")
-        kept = self._policy.keep_indices(view, budget)
-        self._log[key] = (view.positions.copy(), np.asarray(self._policy.score(view), dtype=np.float64),
-                          np.asarray(self._policy.protected(view), dtype=bool), np.asarray(kept))
-        return kept
 
 
 def _tolerance(dtype, values) -> dict:
@@ -93,8 +96,12 @@ def _pad(rows, width, fill, dtype):
 
 
 def run_end_to_end(policy: Policy, *, budget: int | None, block_size: int | None, dtype="float64",
-                   prompt_length: int = 40, model_seed: int = 0, prompt_seed: int = 1) -> tuple[dict, dict]:
-    """Run the built-in model under ``policy`` and record a golden.
+                   prompt_length: int = 40, model_seed: int = 0, prompt_seed: int = 1,
+                   model: str = "tiny") -> tuple[dict, dict]:
+    """Run a model of :data:`MODELS` (default the built-in ``tiny``) under ``policy``; record a golden.
+
+    ``block_size=None`` is one-shot prefill: the whole prompt attends (full square causal
+    attention), then each layer evicts once to ``budget``.
 
     Returns
     -------
@@ -107,16 +114,23 @@ def run_end_to_end(policy: Policy, *, budget: int | None, block_size: int | None
     ValueError
         If the policy refuses the budget or the block size (the engine's errors).
     """
-    model = builtin_model(seed=model_seed, dtype=dtype)
+    builder = model
+    model = build_model(builder, model_seed, dtype)
     cfg = model.config
     prompt = prompt_tokens(prompt_seed, prompt_length, cfg.vocab_size)
-    engine = Engine(model, policy, budget, record=True)
-    log: dict = {}
-    engine.policy = _Recorder(policy, engine, log)
+    engine = Engine(model, policy, budget, record="views")
     logits = engine.prefill(prompt, block_size)
     n_blocks = len(engine.trace.kept)
     if n_blocks != len(blocks(prompt, block_size)):
         raise RuntimeError("the trace does not hold one entry per block")
+    log: dict = {}
+    for event in engine.trace.evictions:  # at most one per (block, layer): the engine evicts once per step
+        key = (event.block, event.layer)
+        if key in log:
+            raise RuntimeError(f"two evictions in block {event.block}, layer {event.layer}")
+        view = event.view
+        log[key] = (event.positions, np.asarray(policy.score(view), dtype=np.float64),
+                    np.asarray(policy.protected(view), dtype=bool), event.kept)
 
     hkv, n_layers = cfg.n_kv_heads, cfg.n_layers
     kept_width = max(k.shape[1] for per_block in engine.trace.kept for k in per_block)
@@ -149,12 +163,14 @@ def run_end_to_end(policy: Policy, *, budget: int | None, block_size: int | None
         **header(E2E_SCHEMA),
         "float_format": FLOAT_FORMAT,
         "dtype": np.dtype(dtype).name,
-        "model": {"name": cfg.name, "config": cfg.to_dict(), "seed": model_seed, "weights": WEIGHTS_RULE},
+        "model": {"name": cfg.name, "builder": builder, "config": cfg.to_dict(), "seed": model_seed,
+                  "weights": WEIGHTS_RULE},
         "prompt": {"length": prompt_length, "seed": prompt_seed, "rule": PROMPT_RULE},
         "policy": {"name": policy.name, "params": json_params(policy.params()), "needs": sorted(policy.needs),
                    "evict_before_attention": bool(policy.evict_before_attention)},
         "budget": budget,
         "block_size": block_size,
+        "mode": "oneshot" if n_blocks == 1 else "block",
         "n_blocks": n_blocks,
         "evictions": int((candidate_count > 0).sum()),
         "tolerance": {"logits": _tolerance(dtype, logits), "scores": tol_scores},
@@ -166,17 +182,23 @@ def run_end_to_end(policy: Policy, *, budget: int | None, block_size: int | None
     return manifest, arrays
 
 
-def write_end_to_end(json_path, manifest: dict, arrays: dict) -> dict:
-    """Write the ``.npz`` (next to ``json_path``, same stem) and then the manifest; return it."""
-    json_path = Path(json_path)
-    npz_path = json_path.with_suffix(".npz")
-    data = write_npz(npz_path, arrays)
+def end_to_end_files(stem: str, manifest: dict, arrays: dict) -> tuple[dict, bytes, bytes]:
+    """The complete manifest and the bytes of ``<stem>.json`` and ``<stem>.npz`` (not written)."""
+    data = npz_bytes(arrays)
     manifest = {**manifest, "arrays": {
-        "file": npz_path.name,
+        "file": f"{stem}.npz",
         "sha256": sha256(data),
         "contents": {name: {"dtype": a.dtype.name, "shape": list(a.shape)} for name, a in sorted(arrays.items())},
     }}
-    write_json(json_path, manifest)
+    return manifest, dumps(manifest).encode("utf-8"), data
+
+
+def write_end_to_end(json_path, manifest: dict, arrays: dict) -> dict:
+    """Write the ``.npz`` (next to ``json_path``, same stem) and then the manifest; return it."""
+    json_path = Path(json_path)
+    manifest, text, data = end_to_end_files(json_path.stem, manifest, arrays)
+    atomic_write(json_path.with_suffix(".npz"), data)
+    atomic_write(json_path, text)
     return manifest
 
 
@@ -281,8 +303,28 @@ def policy_from_manifest(manifest: dict) -> Policy:
 
 
 
-def export_weights(path, *, seed: int = 0, dtype="float64") -> dict:
-    """Write the built-in model's weights as ``path`` (.npz) plus a JSON manifest beside it.
+def _conventions(config) -> list[str]:
+    """How a candidate must apply the exported arrays; one line per feature the model uses."""
+    lines = ["projections are (in_features, out_features), applied as x @ W",
+             "RoPE rotates dimension i with dimension i + d_head/2 of each head (rotate half)",
+             "query head h belongs to KV head h // (n_heads / n_kv_heads)",
+             "lm_head absent: tied to embed (logits = h @ embed.T)"]
+    if config.attention_bias:
+        lines.append("bq, bk, bv: biases added right after the projections (x @ W + b)")
+    if config.output_bias:
+        lines.append("bo: bias added after the output projection")
+    if config.qk_norm:
+        lines.append("q_norm, k_norm: RMSNorm over each head's d_head (eps = norm_eps), after the "
+                     "projections and before RoPE")
+    if config.rope_type != "default":
+        lines.append(f"RoPE frequencies scaled by rope_type={config.rope_type!r} with the rope_* fields of "
+                     f"the config (refkv.model.layers.rope_frequencies_of)")
+    return lines
+
+
+def export_weights(path, *, seed: int = 0, dtype="float64", model: str = "tiny") -> dict:
+    """Write the weights of model ``model`` of :data:`MODELS` (default ``tiny``) as ``path`` (.npz)
+    plus a JSON manifest beside it.
 
     For candidates that run the end-to-end goldens without refkv: array names are
     ``embed``, ``final_norm``, ``layers.<i>.<name>`` (``attn_norm``, ``wq``, ``wk``, ``wv``,
@@ -290,28 +332,25 @@ def export_weights(path, *, seed: int = 0, dtype="float64") -> dict:
     Projections are ``(in, out)`` and applied as ``x @ W``; RoPE rotates dimension ``i``
     with ``i + d_head/2`` ("rotate half"); see :mod:`refkv.model`.
     """
-    from dataclasses import fields as dc_fields
-
     path = Path(path)
     if path.suffix != ".npz":
         raise ValueError(f"the weights file must end in .npz, got {path.name}")
-    model = builtin_model(seed=seed, dtype=dtype)
+    builder = model
+    model = build_model(builder, seed, dtype)
     w = model.weights
     arrays = {"embed": w.embed, "final_norm": w.final_norm}
     if w.lm_head is not None:
         arrays["lm_head"] = w.lm_head
     for i, layer in enumerate(w.layers):
-        for f in dc_fields(layer):
-            arrays[f"layers.{i}.{f.name}"] = getattr(layer, f.name)
+        for name, array in layer.arrays().items():  # the optional ones (biases, q/k norms) when present
+            arrays[f"layers.{i}.{name}"] = array
     data = write_npz(path, arrays)
     manifest = {
         **header("refkv-weights"),
         "dtype": np.dtype(dtype).name,
-        "model": {"name": model.config.name, "config": model.config.to_dict(), "seed": seed, "weights": WEIGHTS_RULE},
-        "conventions": ["projections are (in_features, out_features), applied as x @ W",
-                        "RoPE rotates dimension i with dimension i + d_head/2 of each head (rotate half)",
-                        "query head h belongs to KV head h // (n_heads / n_kv_heads)",
-                        "lm_head absent: tied to embed (logits = h @ embed.T)"],
+        "model": {"name": model.config.name, "builder": builder, "config": model.config.to_dict(), "seed": seed,
+                  "weights": WEIGHTS_RULE},
+        "conventions": _conventions(model.config),
         "arrays": {"file": path.name, "sha256": sha256(data),
                    "contents": {k: {"dtype": a.dtype.name, "shape": list(a.shape)} for k, a in sorted(arrays.items())}},
     }

@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
+import stat
 import tempfile
 import zipfile
 from collections.abc import Mapping
@@ -25,18 +27,30 @@ import numpy as np
 
 from .schema import ARRAY_DTYPES
 
-__all__ = ["atomic_write", "dumps", "read_json", "read_npz", "sha256", "write_json", "write_npz"]
+__all__ = ["atomic_write", "dumps", "npz_bytes", "read_json", "read_npz", "sha256", "write_json", "write_npz"]
 
 # A fixed member timestamp (the earliest a zip file can hold) makes .npz bytes reproducible.
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 
 
+def _umask() -> int:
+    """The process's file-creation mask (read by setting it and restoring it at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file in the same directory + rename)."""
+    """Write ``data`` to ``path`` atomically (temporary file in the same directory + rename).
+
+    The file gets the permissions a plain ``open(path, "w")`` would give (``0o666`` less
+    the umask: 0644 under umask 022), not the 0600 of a temporary file.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -104,17 +118,53 @@ def _reject_constant(name: str):
     raise ValueError(f"non-standard JSON constant {name}; non-finite floats are written as strings")
 
 
-def read_json(path) -> dict:
-    """Parse a JSON file; ValueError (naming the file) if it is not valid standard JSON."""
+def _regular_file(path: Path) -> os.stat_result:
+    """``path``'s stat if it is a regular file (after symlinks); ValueError otherwise.
+
+    Checked before opening: a FIFO would block the reader forever, and a device such as
+    ``/dev/zero`` would be read until memory runs out.
+    """
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read: {err.strerror or err}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a socket"
+                if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        raise ValueError(f"{path}: not a regular file ({kind}); golden files must be regular files")
+    return st
+
+
+#: Largest JSON file read (a golden vectors file is about 100 kB).
+MAX_JSON_BYTES = 256 * 2**20
+#: Largest total of array bytes an ``.npz`` may declare (the committed goldens hold kilobytes).
+MAX_NPZ_BYTES = 2**30
+
+
+def read_json(path, *, max_bytes: int = MAX_JSON_BYTES) -> dict:
+    """Parse a JSON file; ValueError (naming the file) if it is not valid standard JSON.
+
+    Refuses anything but a regular file, and files over ``max_bytes``, before reading.
+    """
     path = Path(path)
+    st = _regular_file(path)
+    if st.st_size > max_bytes:
+        raise ValueError(f"{path}: {st.st_size} bytes, more than the {max_bytes} a golden JSON file may have")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ValueError(f"{path}: no such file") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text: {err}") from None
     try:
         obj = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON: {err}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{path}: the top level must be a JSON object")
     return obj
@@ -125,6 +175,13 @@ def write_npz(path, arrays: Mapping[str, np.ndarray]) -> bytes:
 
     Members are written in sorted name order with a fixed timestamp. Returns the bytes.
     """
+    data = npz_bytes(arrays)
+    atomic_write(path, data)
+    return data
+
+
+def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """The bytes :func:`write_npz` writes for ``arrays`` (same content, same bytes)."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
         for name in sorted(arrays):
@@ -136,23 +193,56 @@ def write_npz(path, arrays: Mapping[str, np.ndarray]) -> bytes:
             info = zipfile.ZipInfo(f"{name}.npy", date_time=_ZIP_EPOCH)
             info.external_attr = 0o644 << 16
             zf.writestr(info, member.getvalue(), compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
-    data = buf.getvalue()
-    atomic_write(path, data)
-    return data
+    return buf.getvalue()
 
 
-def read_npz(path) -> dict[str, np.ndarray]:
-    """All arrays of an ``.npz`` file, loaded with ``allow_pickle=False``."""
+def _member_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path) -> tuple[tuple, np.dtype]:
+    """Shape and dtype of one ``.npy`` member, from its header alone (nothing else is read)."""
+    with zf.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version in ((2, 0), (3, 0)):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"{path}: member {info.filename}: unsupported .npy version {version}")
+        header_bytes = f.tell()
+    if dtype.hasobject:
+        raise ValueError(f"{path}: member {info.filename}: object arrays are refused (they need pickle)")
+    need = math.prod(shape) * dtype.itemsize
+    if need + header_bytes != info.file_size:
+        raise ValueError(f"{path}: member {info.filename} declares shape {shape} of {dtype} ({need} bytes) but "
+                         f"holds {info.file_size - header_bytes} bytes of data")
+    return shape, dtype
+
+
+def read_npz(path, *, max_bytes: int = MAX_NPZ_BYTES) -> dict[str, np.ndarray]:
+    """All arrays of an ``.npz`` file, loaded with ``allow_pickle=False``.
+
+    Before any array is read: the path must be a regular file, and every member's header
+    must declare a shape whose bytes match the member's size, ``max_bytes`` in all at
+    most (a forged header of shape ``(10**11,)`` is refused instead of allocated).
+    """
     path = Path(path)
-    if not path.exists():
-        raise ValueError(f"{path}: no such file")
+    _regular_file(path)
     try:
+        with zipfile.ZipFile(path) as zf:
+            total = 0
+            for info in zf.infolist():
+                if not info.filename.endswith(".npy"):
+                    raise ValueError(f"{path}: member {info.filename!r} is not an .npy array")
+                shape, dtype = _member_header(zf, info, path)
+                total += math.prod(shape) * dtype.itemsize
+                if total > max_bytes:
+                    raise ValueError(f"{path}: arrays declare more than {max_bytes} bytes in all "
+                                     f"(member {info.filename} has shape {shape} of {dtype})")
         with np.load(path, allow_pickle=False) as npz:
             return {name: npz[name] for name in npz.files}
     except (OSError, zipfile.BadZipFile, EOFError) as err:
         raise ValueError(f"{path}: not a readable .npz file: {err}") from None
     except ValueError as err:  # e.g. an object array, refused without pickle
-        raise ValueError(f"{path}: {err}") from None
+        msg = str(err)
+        raise ValueError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
 
 
 def sha256(data: bytes) -> str:

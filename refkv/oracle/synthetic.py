@@ -3,9 +3,10 @@
 Used by the golden-suite generator (seeded NumPy) and by
 :mod:`refkv.testing.strategies` (hypothesis), so both build their cases the same way.
 
-:func:`replay` runs one layer of block prompt processing on given per-token queries,
-keys and values, in the engine's order (:mod:`refkv.engine`): evict before attention
-(for ``evict_before_attention`` policies), append, attend, observe, evict. It returns the
+:func:`replay` runs one layer of prompt processing (one-shot, or in blocks) on given
+per-token queries, keys and values through the engine's own layer step
+(:func:`refkv.engine.layer_step`): evict before attention (for ``evict_before_attention``
+policies), append, attend, observe, evict. It returns the
 :class:`~refkv.policies.View` of the *last* block's eviction, with the per-token state a
 policy accumulated over the earlier blocks, so a stateful policy (H2O, HashEvict, MAT,
 Scissorhands) is tested on state it produced itself.
@@ -17,10 +18,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..attention import attend
 from ..cache import LayerCache
+from ..engine import decision_view, layer_step
 from ..model.config import ModelConfig
 from ..policies import Policy, View
+from ..validation import check_int
 
 __all__ = [
     "Tokens",
@@ -150,23 +152,22 @@ def config_for(n_heads: int, n_kv_heads: int, d_head: int, n_layers: int = 1) ->
                        n_kv_heads=n_kv_heads, d_head=d_head, d_ff=16, name="synthetic")
 
 
-def _view(layer, n_layers, cache, q, q_pos, k, v, weights, budget) -> View:
-    return View(layer=layer, n_layers=n_layers, keys=cache.keys, values=cache.values, positions=cache.positions,
-                fields=dict(cache.fields), queries=q, query_positions=q_pos, block_keys=k, block_values=v,
-                attention=weights, budget=budget)
-
-
-def replay(policy: Policy, tokens: Tokens, *, block_size: int, budget: int, layer: int = 0,
+def replay(policy: Policy, tokens: Tokens, *, block_size: int | None = None, budget: int, layer: int = 0,
            n_layers: int = 1) -> View:
-    """Block prompt processing of ``tokens`` through one layer; the last block's eviction view.
+    """Prompt processing of ``tokens`` through one layer; the view of the last block's eviction.
+
+    Each block goes through :func:`refkv.engine.layer_step`, the step the engine itself
+    runs, so the replay cannot drift from the engine.
 
     Parameters
     ----------
     policy : Policy
     tokens : Tokens
-        The layer's queries, keys and values for every prompt token.
-    block_size : int
-        ``B``; the last block may be shorter.
+        The layer's queries, keys and values for every prompt token (after RoPE).
+    block_size : int or None
+        ``B``; the last block may be shorter. ``None`` (default): **one-shot**, the whole
+        prompt is one block -- full square causal attention over all ``T`` tokens, then one
+        eviction to ``N`` (kvpress's regime).
     budget : int
         ``N``.
     layer, n_layers : int
@@ -183,44 +184,49 @@ def replay(policy: Policy, tokens: Tokens, *, block_size: int, budget: int, laye
     Raises
     ------
     ValueError
-        If the policy refuses ``budget`` (``policy.check``) or the block size.
+        If the policy refuses ``budget`` (``policy.check``) or the block size: a policy
+        that evicts before attention (HashEvict, MAT) has no one-shot form, since its block
+        attends to at most ``N`` tokens.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
-        raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
-    if not 0 <= layer < n_layers:
-        raise ValueError(f"layer must be in [0, {n_layers - 1}], got {layer}")
+    budget = check_int("budget", budget, 1)
+    if not isinstance(tokens, Tokens):
+        raise ValueError(f"tokens must be a refkv.oracle.synthetic.Tokens, got {type(tokens).__name__}")
     h, t, d = tokens.queries.shape
+    if t < 1:
+        raise ValueError("tokens must hold at least one token")
+    block_size = t if block_size is None else check_int("block_size", block_size, 1)
+    n_layers = check_int("n_layers", n_layers, 1)
+    layer = check_int("layer", layer, 0, n_layers - 1)
     hkv = tokens.keys.shape[0]
     config = config_for(h, hkv, d, n_layers)
     policy.check(budget, config)
-    before = policy.evict_before_attention
     limit = policy.max_block(budget, config)
     if limit is not None and block_size > limit:
         raise ValueError(f"block size must be <= {limit} for {policy.name} with budget={budget} (it evicts "
                          f"before attention); got a block of {block_size}")
-    want_weights = "attention" in policy.needs
     cache = LayerCache(hkv, d, tokens.dtype, policy.fields(config))
+    last_start = (t - 1) // block_size * block_size
+
+    def evict(view: View, keep: int, stage: str) -> None:
+        decided = decision_view(view, keep)
+        if int(view.query_positions[0]) == last_start:
+            raise _Captured(decided)  # the last block's decision is the caller's to make
+        cache.keep(policy.keep_indices(decided, keep))
+
     for start in range(0, t, block_size):
         stop = min(start + block_size, t)
-        last = stop == t
         q, k, v = tokens.queries[:, start:stop], tokens.keys[:, start:stop], tokens.values[:, start:stop]
-        q_pos = np.arange(start, stop, dtype=np.int64)
-        b = stop - start
-        if before and (last or len(cache) + b > budget):
-            view = _view(layer, n_layers, cache, q, q_pos, k, v, None, budget - b)
-            if last:
-                return view
-            cache.keep(policy.keep_indices(view, budget - b))
-        cache.append(k, v)
-        _, weights = attend(q, cache.keys, cache.values, q_pos, cache.positions, return_weights=want_weights)
-        observed = _view(layer, n_layers, cache, q, q_pos, k, v, weights, budget)
-        for name, array in policy.observe(observed).items():
-            cache.set_field(name, array)
-        view = _view(layer, n_layers, cache, q, q_pos, k, v, weights, budget)
-        if last:
-            return view
-        if len(cache) > budget:
-            cache.keep(policy.keep_indices(view, budget))
-    raise ValueError("tokens must hold at least one token")
+        try:
+            layer_step(policy, cache, q, k, v, layer=layer, n_layers=n_layers, budget=budget, evict=evict,
+                       evict_always=stop == t)
+        except _Captured as captured:
+            return captured.view
+    raise AssertionError("the last block always reaches its eviction")  # evict_always=True
+
+
+class _Captured(Exception):
+    """Carries the view of the last block's eviction out of :func:`layer_step`."""
+
+    def __init__(self, view: View):
+        super().__init__("captured")
+        self.view = view

@@ -34,11 +34,13 @@ from .synthetic import max_abs_logit
 
 __all__ = [
     "DEFAULT_TOLERANCE",
+    "MODES",
     "VectorCase",
     "VectorFile",
     "boundary_gap",
     "candidate_document",
     "case_flags",
+    "case_mode",
     "encode_case",
     "read_vectors",
     "tolerance_for",
@@ -54,6 +56,10 @@ _SIGNAL_INPUTS = {"keys": ("keys", "block_keys"), "values": ("values", "block_va
                   "queries": ("queries",), "attention": ("attention",), "positions": ()}
 _ALL_INPUTS = ("keys", "values", "block_keys", "block_values", "queries", "attention")
 STAGES = ("after-attention", "before-attention")
+#: ``"oneshot"``: the whole prompt is one block (full square causal attention over all ``T``
+#: tokens, then one eviction to ``N``: kvpress's regime); ``"block"``: block prompt processing
+#: (the block size is ``sizes.block``). Files without the key are block mode.
+MODES = ("oneshot", "block")
 
 
 def tolerance_for(dtype, scores: np.ndarray) -> dict:
@@ -149,8 +155,16 @@ def _same(a: tuple, b: tuple) -> bool:
     return all(x.shape == y.shape and np.array_equal(x, y, equal_nan=True) for x, y in zip(a, b))
 
 
+def case_mode(view: View, stage: str) -> str:
+    """``"oneshot"`` if the view's block is the whole prompt (it starts at position 0 and the
+    candidates are exactly its tokens, after attention), else ``"block"``."""
+    b = len(view.query_positions)
+    whole = (stage == "after-attention" and b == view.n and b > 0 and int(view.query_positions[0]) == 0)
+    return "oneshot" if whole else "block"
+
+
 def encode_case(policy: Policy, view: View, *, case_id: int, comment: str, extra_flags=(),
-                tolerance: dict | None = None) -> dict:
+                tolerance: dict | None = None, mode: str | None = None) -> dict:
     """One JSON case from an eviction view; ``view.budget`` is the number of tokens kept.
 
     Parameters
@@ -165,6 +179,20 @@ def encode_case(policy: Policy, view: View, *, case_id: int, comment: str, extra
         Flags known from how the view was made (``"engine"``).
     tolerance : dict, optional
         ``{"rtol", "atol"}``; default :func:`tolerance_for`.
+    mode : {"oneshot", "block"}, optional
+        Default: read from the view (:func:`case_mode`); a ``"oneshot"`` that the view
+        contradicts is a ValueError.
+
+    Examples
+    --------
+    A one-shot case (the whole prompt is one block) from synthetic tokens::
+
+        from refkv import policies
+        from refkv.oracle.synthetic import random_tokens, replay
+        tokens = random_tokens(np.random.default_rng(0), 4, 2, 8, 24)  # H=4, Hkv=2, d=8, T=24
+        policy = policies.get("tova")
+        view = replay(policy, tokens, budget=16)  # block_size=None: one-shot
+        case = encode_case(policy, view, case_id=1, comment="one-shot TOVA, T=24, N=16")
     """
     if view.budget is None:
         raise ValueError("view.budget must be the number of tokens the eviction keeps, got None")
@@ -174,6 +202,14 @@ def encode_case(policy: Policy, view: View, *, case_id: int, comment: str, extra
     stage = "before-attention" if policy.evict_before_attention else "after-attention"
     if stage == "after-attention" and not np.array_equal(view.keys[:, -b:], view.block_keys):
         raise ValueError("after attention the block must be the last B columns of the cache")
+    seen = case_mode(view, stage)
+    if mode is None:
+        mode = seen
+    elif mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    elif mode == "oneshot" and seen != "oneshot":
+        raise ValueError("mode='oneshot' needs a view whose block is the whole prompt (after attention, from "
+                         "position 0, every candidate in the block): replay(..., block_size=None)")
 
     wanted = {"positions"}
     for signal in policy.needs:
@@ -206,6 +242,7 @@ def encode_case(policy: Policy, view: View, *, case_id: int, comment: str, extra
         "flags": flags,
         "dtype": view.keys.dtype.name,
         "stage": stage,
+        "mode": mode,
         "layer": view.layer,
         "n_layers": view.n_layers,
         "budget": int(view.budget),
@@ -306,6 +343,8 @@ class VectorCase:
     dtype : str
     stage : str
         ``"after-attention"`` or ``"before-attention"``.
+    mode : str
+        ``"oneshot"`` (the whole prompt is one block) or ``"block"`` (:data:`MODES`).
     layer, n_layers, budget : int
     sizes : dict
         ``n_heads``, ``n_kv_heads``, ``d_head``, ``n`` (candidates), ``block``.
@@ -334,6 +373,7 @@ class VectorCase:
     fields: dict = field(repr=False)
     outputs: dict = field(repr=False)
     policy_name: str = ""
+    mode: str = "block"
 
     def policy(self) -> Policy:
         """The policy object this case was generated with."""
@@ -410,7 +450,8 @@ def _read_case(obj: dict, params: dict, policy: str, where: str, candidate: bool
                           params=params, dtype=obj.get("dtype", ""), stage=obj.get("stage", ""),
                           layer=obj.get("layer", 0), n_layers=obj.get("n_layers", 1), budget=obj.get("budget", 0),
                           sizes=obj.get("sizes", {}), tolerance=obj.get("tolerance", {}), inputs={}, fields={},
-                          outputs=outputs, policy_name=policy)
+                          outputs=outputs, policy_name=policy,
+                          mode=obj.get("mode", "block") if obj.get("mode") in MODES else "block")
 
     dtype = require(obj, "dtype", where)
     if dtype not in ("float32", "float64"):
@@ -418,6 +459,9 @@ def _read_case(obj: dict, params: dict, policy: str, where: str, candidate: bool
     stage = require(obj, "stage", where)
     if stage not in STAGES:
         raise ValueError(f"{where}: stage must be one of {STAGES}, got {stage!r}")
+    mode = obj.get("mode", "block")
+    if mode not in MODES:
+        raise ValueError(f"{where}: mode must be one of {MODES}, got {mode!r}")
     n_layers = _int(obj, "n_layers", where, 1)
     layer = _int(obj, "layer", where)
     if layer >= n_layers:
@@ -476,7 +520,7 @@ def _read_case(obj: dict, params: dict, policy: str, where: str, candidate: bool
     return VectorCase(id=case_id, comment=obj.get("comment", ""), flags=tuple(require(obj, "flags", where)),
                       params=params, dtype=dtype, stage=stage, layer=layer, n_layers=n_layers, budget=budget,
                       sizes=sizes, tolerance=tolerance, inputs=inputs, fields=fields, outputs=outputs,
-                      policy_name=policy)
+                      policy_name=policy, mode=mode)
 
 
 def read_vectors(path, *, candidate: bool = False) -> VectorFile:

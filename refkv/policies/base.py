@@ -268,6 +268,8 @@ def register(cls: type[Policy]) -> type[Policy]:
 
 def policy_class(name: str) -> type[Policy]:
     """The policy class registered as ``name``."""
+    if not isinstance(name, str):
+        raise ValueError(f"policy name must be a str, got {type(name).__name__}")
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -275,8 +277,21 @@ def policy_class(name: str) -> type[Policy]:
 
 
 def get(name: str, **params) -> Policy:
-    """Construct the policy registered as ``name`` with ``params``."""
-    return policy_class(name)(**params)
+    """Construct the policy registered as ``name`` with ``params``.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not registered, or a parameter is not one of the policy's
+        (the message names it and lists the allowed ones), or a value is out of range.
+    """
+    cls = policy_class(name)
+    allowed = list(getattr(cls, "__dataclass_fields__", {}))
+    unknown = [key for key in params if key not in allowed]
+    if unknown:
+        listed = ", ".join(allowed) if allowed else "none"
+        raise ValueError(f"policy {name!r} has no parameter {unknown[0]!r}; allowed: {listed}")
+    return cls(**params)
 
 
 def available() -> list[str]:

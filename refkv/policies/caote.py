@@ -26,7 +26,8 @@ import numpy as np
 
 from ..cache import FieldSpec
 from ..model.config import ModelConfig
-from .base import Policy, View, policy_class, register
+from .base import Policy, View, get, register
+from .full import Full
 
 __all__ = ["SIGNED_POLICIES", "Caote", "caote_scores", "fast_caote_scores", "normalise"]
 
@@ -136,11 +137,18 @@ def _build_base(base, base_params) -> Policy:
         params = {} if base_params is None else base_params
         if not isinstance(params, Mapping):
             raise ValueError(f"base_params must be a dict of parameters, got {type(params).__name__}")
-        policy = policy_class(base)(**params)
+        if any(not isinstance(key, str) for key in params):
+            raise ValueError(f"base_params keys must be parameter names (str), got {list(params)!r}")
+        policy = get(base, **params)  # ValueError naming an unknown parameter and the allowed ones
     else:
         raise ValueError(f"base must be a policy name or a Policy, got {type(base).__name__}")
     if isinstance(policy, Caote):
         raise ValueError("base must not itself be caote (its scores can be +inf, which cannot be normalised)")
+    if isinstance(policy, Full):
+        # full protects every token: under a budget it fails at the first eviction, and
+        # without one CAOTE has nothing to score. Refused here, where the user named it.
+        raise ValueError("caote: base='full' never evicts (it protects every token), so there is nothing for "
+                         "CAOTE to score; choose an evicting base such as h2o, tova, snapkv or scissorhands")
     declared = getattr(type(policy), "nonnegative_scores", None)
     if declared is False or (declared is None and policy.name in SIGNED_POLICIES):
         raise ValueError(f"base={policy.name!r} has signed scores; CAOTE needs non-negative base scores "

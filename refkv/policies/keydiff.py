@@ -56,9 +56,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..validation import check_float
 from .base import Policy, View, recent_tokens, register
 
-__all__ = ["ANCHORS", "EPS", "METRICS", "KeyDiff", "anchor", "anchor_scores", "cosine", "pairwise_scores",
+__all__ = ["ANCHORS", "EPS", "MAX_EPS", "METRICS", "KeyDiff", "anchor", "anchor_scores", "cosine", "pairwise_scores",
            "unit_keys"]
 
 #: App. A.2.1's epsilon in the cosine denominator.
@@ -69,27 +70,78 @@ ANCHORS = ("unit_mean", "mean", "median")
 METRICS = ("cosine", "dot", "euclidean")
 
 
+#: Largest ``eps`` the policy accepts: the floor must stay far below the norms it guards
+#: (an ``eps`` of 1 or more would replace every unit key's norm and zero the scores).
+MAX_EPS = 1e-3
+
+
 def _check_keys(keys) -> np.ndarray:
     keys = np.asarray(keys)
     if keys.ndim < 2:
         raise ValueError(f"keys must have shape (..., n, d), got {keys.shape}")
     if not np.issubdtype(keys.dtype, np.floating):
         raise ValueError(f"keys must be a float array, got dtype {keys.dtype}")
+    if not np.isfinite(keys).all():
+        raise ValueError("keys must be finite (they contain NaN or inf)")
     return keys
 
 
+def _split(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Write each vector (last axis) as ``x = s u`` in float64 and return ``s``, ``u``, ``||u||``.
+
+    ``s = max |x_i|``, so ``max |u_i| = 1`` and ``1 <= ||u|| <= sqrt(d)`` (``u = 0`` for a zero
+    vector): squaring ``u`` can neither overflow nor lose the vector to underflow, whatever
+    the magnitude or precision of ``x`` (float16 keys of 1e-5, float64 keys of 1e200). The
+    norm is ``s ||u||``; dot products are ``s_a s_b (u_a . u_b)``. Shapes: ``s`` and ``||u||``
+    keep a trailing axis of 1.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    s = np.max(np.abs(x), axis=-1, keepdims=True)
+    u = np.divide(x, s, out=np.zeros_like(x), where=s > 0)
+    return s, u, np.sqrt(np.sum(u * u, axis=-1, keepdims=True))
+
+
+def _floored_ratio(dot_u: np.ndarray, scale: np.ndarray, norm_u: np.ndarray, eps: float) -> np.ndarray:
+    """``dot / max(norms, eps)`` where ``dot = scale * dot_u`` and ``norms = scale * norm_u``.
+
+    Where the norms clear the floor the scales cancel and the ratio is ``dot_u / norm_u``
+    (no overflow); below it the ratio is ``scale * dot_u / eps``, a product that is then
+    below ``eps`` and cannot overflow either.
+    """
+    eps = check_float("eps", eps, 0.0, MAX_EPS, low_open=True)  # every public function comes here
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        clear = scale * norm_u >= eps  # an overflow to inf still compares right
+        small = scale * dot_u / eps    # only read where it is below eps: no overflow there
+    big = np.divide(dot_u, norm_u, out=np.zeros_like(dot_u), where=clear & (norm_u > 0))
+    return np.where(clear, big, small)
+
+
 def cosine(a: np.ndarray, b: np.ndarray, eps: float = EPS) -> np.ndarray:
-    """``a . b / max(||a|| ||b||, eps)`` over the last axis, broadcasting the others (App. A.2.1)."""
+    """``a . b / max(||a|| ||b||, eps)`` over the last axis, broadcasting the others (App. A.2.1).
+
+    Computed from scaled vectors (:func:`_split`) in float64, so neither the dot product
+    nor the norms overflow or underflow; returned in the inputs' common dtype.
+    """
     a, b = np.asarray(a), np.asarray(b)
-    dot = np.sum(a * b, axis=-1)
-    norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
-    return dot / np.maximum(norms, eps)
+    dtype = np.result_type(a, b)
+    sa, ua, na = _split(a)
+    sb, ub, nb = _split(b)
+    dot_u = np.sum(ua * ub, axis=-1)
+    with np.errstate(over="ignore", under="ignore"):
+        scale = (sa * sb)[..., 0]
+    return _floored_ratio(dot_u, scale, (na * nb)[..., 0], eps).astype(dtype, copy=False)
 
 
 def unit_keys(keys: np.ndarray, eps: float = EPS) -> np.ndarray:
-    """``k / max(||k||, eps)`` per key: unit vectors, and zero for a zero key."""
+    """``k / max(||k||, eps)`` per key: unit vectors, and zero for a zero key.
+
+    The norm is computed without overflow or underflow (:func:`_split`); the result has
+    the keys' dtype.
+    """
     keys = np.asarray(keys)
-    return keys / np.maximum(np.linalg.norm(keys, axis=-1, keepdims=True), eps)
+    s, u, nu = _split(keys)
+    # k / max(||k||, eps) = s u / max(s ||u||, eps): scales cancel above the floor.
+    return _floored_ratio(u, s, nu, eps).astype(keys.dtype, copy=False)
 
 
 def anchor(keys: np.ndarray, kind: str = "unit_mean", eps: float = EPS) -> np.ndarray:
@@ -142,11 +194,20 @@ def anchor_scores(keys: np.ndarray, anchor_kind: str = "unit_mean", metric: str 
         raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
     keys = _check_keys(keys)
     a = anchor(keys, anchor_kind, eps)[..., None, :]
+    if not np.isfinite(a).all():
+        raise ValueError(f"the {anchor_kind!r} anchor of these keys overflows {keys.dtype}; "
+                         f"use anchor='unit_mean' (scale-free)")
     if metric == "cosine":
         return -cosine(a, keys, eps)
-    if metric == "dot":
-        return -np.sum(a * keys, axis=-1)
-    return np.linalg.norm(keys - a, axis=-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if metric == "dot":
+            scores = -np.sum(a * keys, axis=-1)
+        else:
+            scores = np.linalg.norm(keys - a, axis=-1)
+    if not np.isfinite(scores).all():
+        raise ValueError(f"metric={metric!r} scores overflow {keys.dtype} for keys of magnitude "
+                         f"{float(np.abs(keys).max()):.3g}; use metric='cosine' (scale-free)")
+    return scores
 
 
 def pairwise_scores(keys: np.ndarray, eps: float = EPS) -> np.ndarray:
@@ -165,10 +226,12 @@ def pairwise_scores(keys: np.ndarray, eps: float = EPS) -> np.ndarray:
     (..., n) array of the keys' dtype
     """
     keys = _check_keys(keys)
-    norms = np.linalg.norm(keys, axis=-1)
-    gram = keys @ np.swapaxes(keys, -1, -2)
-    cos = gram / np.maximum(norms[..., :, None] * norms[..., None, :], eps)
-    return -cos.sum(axis=-1)
+    s, u, nu = _split(keys)                                  # (..., n, 1), (..., n, d), (..., n, 1)
+    gram_u = u @ np.swapaxes(u, -1, -2)                      # (..., n, n)
+    with np.errstate(over="ignore", under="ignore"):
+        scale = s * np.swapaxes(s, -1, -2)                   # s_i s_j
+    cos = _floored_ratio(gram_u, scale, nu * np.swapaxes(nu, -1, -2), eps)
+    return (-cos.sum(axis=-1)).astype(keys.dtype, copy=False)
 
 
 @register
@@ -189,7 +252,7 @@ class KeyDiff(Policy):
     reserve : float in [0, 1), default 0.0
         Fraction of the budget kept for the most recent tokens (Table 11): ``floor(reserve *
         N)`` tokens are protected.
-    eps : float, default 1e-8
+    eps : float in (0, 1e-3], default 1e-8
         Floor of the cosine denominator and of the key norms (App. A.2.1).
 
     Notes
@@ -219,9 +282,7 @@ class KeyDiff(Policy):
         if isinstance(self.reserve, bool) or not isinstance(self.reserve, (int, float)) \
                 or not 0.0 <= self.reserve < 1.0:
             raise ValueError(f"reserve must be a number in [0, 1), got {self.reserve!r}")
-        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not self.eps > 0.0 \
-                or not math.isfinite(self.eps):
-            raise ValueError(f"eps must be a finite number > 0, got {self.eps!r}")
+        check_float("eps", self.eps, 0.0, MAX_EPS, low_open=True)
 
     def reserved(self, budget: int) -> int:
         """Tokens protected as recent when ``budget`` tokens are kept: ``floor(reserve * budget)``.

@@ -10,6 +10,10 @@ Per-token state: a ring buffer of ``m`` booleans per token (cache field
 ``scissorhands_important``). The slot of step ``t`` (the query's position) is
 ``t mod m``; writing step ``t`` overwrites step ``t - m``, so the buffer always holds
 exactly the last ``m`` steps.
+
+The buffer costs ``m`` bytes per token, KV head and layer, so ``m`` is bounded by
+:data:`MAX_HISTORY` (10 times the paper's 400): a history of ``10**6`` would hold about
+a megabyte per cached token and head before any eviction could help.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from ..cache import FieldSpec
 from ..model.config import ModelConfig
 from .base import Policy, View, check_int, first_tokens, recent_tokens, register
 
-__all__ = ["FIELD", "Scissorhands", "importance", "record_steps"]
+__all__ = ["FIELD", "MAX_HISTORY", "Scissorhands", "importance", "record_steps"]
 
 #: Name of the cache field holding the (Hkv, n, m) ring buffer of importance bits.
 FIELD = "scissorhands_important"
+#: Largest history ``m``: 4000 bytes of state per cached token, KV head and layer
+#: (SmolLM2-135M at N = 1024 holds 30 x 3 x ~1100 tokens: about 400 MB at this bound).
+MAX_HISTORY = 4000
 
 
 def importance(attention_by_kv_head: np.ndarray, positions: np.ndarray, query_positions: np.ndarray) -> np.ndarray:
@@ -89,8 +96,8 @@ class Scissorhands(Policy):
 
     Parameters
     ----------
-    history : int, default 400
-        ``m``, steps remembered.
+    history : int in [1, MAX_HISTORY], default 400
+        ``m``, steps remembered (``m`` bytes of state per token, KV head and layer).
     sink : int, default 4
         ``g``, initial tokens protected (positions ``< g``).
     recent : int, default 10
@@ -129,7 +136,7 @@ class Scissorhands(Policy):
     recent: int = 10
 
     def __post_init__(self):
-        check_int("history", self.history, 1)
+        check_int("history", self.history, 1, MAX_HISTORY)
         check_int("sink", self.sink, 0)
         check_int("recent", self.recent, 0)
 

@@ -1,0 +1,211 @@
+"""One vector case: a candidate's scores, protected mask and kept set against the reference.
+
+:func:`compare_case` is the one implementation; :func:`refkv.testing.assert_case` and
+``refkv golden check`` both format its :class:`CaseResult`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..validation import check_float
+from .arrays import as_array, compare_arrays
+from .declare import Declarations
+from .retention import compare_ranking, compare_retention
+from .status import Status
+from .tolerance import check_dtype_name, score_tolerance, tie_rule_meaningless
+
+__all__ = ["CaseResult", "compare_case", "describe_position", "tolerance_rule"]
+
+
+@dataclass
+class CaseResult:
+    """Outcome of one vector case.
+
+    Attributes
+    ----------
+    label : str
+    status : Status
+        ``OK``, ``TIE`` (ok with accepted ties) or ``FAIL``.
+    messages : list of str
+        The failures, one per comparison that failed.
+    ties : list of Swap
+        Accepted ties, each with the rule that accepted it.
+    notes : list of str
+        What was compared and how: the dtype, declarations, an override factor, and a
+        warning where the tie rule cannot tell any two tokens apart.
+    """
+
+    label: str
+    status: Status
+    messages: list = field(default_factory=list)
+    ties: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status.passed
+
+    def format(self) -> str:
+        """The result as text: a first line with the verdict, then failures, ties and notes."""
+        lines = [f"{self.label}: {self.status.value.upper()}"]
+        lines += ["  " + m.replace("\n", "\n    ") for m in self.messages]
+        lines += ["  tie accepted: " + t.describe() for t in self.ties]
+        lines += ["  " + n for n in self.notes]
+        return "\n".join(lines)
+
+
+def describe_position(positions: np.ndarray) -> Callable[[tuple], str]:
+    """An index namer: ``(h, c)`` -> ``"head h, position p (column c)"``."""
+    positions = np.asarray(positions)
+
+    def describe(index: tuple) -> str:
+        if len(index) == 2 and positions.ndim == 2:
+            h, c = index
+            return f"head {h}, position {int(positions[h, c])} (column {c})"
+        return "index " + (str(index[0]) if len(index) == 1 else str(tuple(int(i) for i in index)))
+    return describe
+
+
+def tolerance_rule(dtype: str, factor: float) -> str:
+    """How a tie was accepted, in words."""
+    rule = f"{dtype} tolerance at the two scores' own scale"
+    return rule + (f", times --tolerance-factor {factor:g}" if factor != 1.0 else "")
+
+
+def compare_case(candidate: dict, reference, *, dtype=None, declare=None, tolerance_factor: float = 1.0,
+                 strict_ties: bool = False, check_dtype="kind") -> CaseResult:
+    """Compare a candidate's outputs with a reference :class:`~refkv.oracle.vectors.VectorCase`.
+
+    Parameters
+    ----------
+    candidate : dict
+        Any of ``"scores"`` (Hkv, n), ``"protected"`` (Hkv, n) bool, ``"kept"`` (Hkv, m)
+        column indices; array-likes (:func:`refkv.oracle.arrays.as_array`).
+    reference : VectorCase
+    dtype : {"float64", "float32", "bfloat16", "float16"}, optional
+        The precision the candidate computed in; default the case's own dtype. Score
+        tolerances derive from it (:func:`refkv.oracle.tolerance.score_tolerance`).
+    declare : dict or Declarations, optional
+        Declared differences (:mod:`refkv.oracle.declare`).
+    tolerance_factor : float
+        Explicit override: multiplies every tolerance; finite and > 0.
+    strict_ties : bool
+        Accepted ties fail too.
+    check_dtype : {"kind", True, False}
+        As in :func:`refkv.oracle.arrays.compare_arrays`.
+    """
+    factor = check_float("tolerance_factor", tolerance_factor, 0.0, low_open=True)
+    name = check_dtype_name(dtype) or reference.dtype
+    decl = Declarations.parse(declare)
+    unknown = sorted(set(candidate) - {"scores", "protected", "kept"})
+    if unknown:
+        raise ValueError(f"candidate has unknown entries {unknown}; allowed: scores, protected, kept")
+    ref = reference.outputs
+    positions = reference.inputs["positions"]
+    result = CaseResult(reference.label, Status.OK)
+    result.notes += decl.lines()
+    if factor != 1.0:
+        result.notes.append(f"tolerance factor {factor:g} (explicit override of the {name} tolerances)")
+    describe = describe_position(positions)
+    tol_cache: list = []
+
+    def tolerance() -> np.ndarray:
+        if not tol_cache:
+            tol_cache.append(factor * score_tolerance(reference, name))
+        return tol_cache[0]
+
+    ref_scores = np.asarray(ref["scores"], dtype=np.float64)
+    if "scores" in candidate and not decl.kept_only:
+        cand = as_array(candidate["scores"], "scores")
+        pinned = decl.pinned_mask(positions, ref["protected"])
+        message = _compare_scores(cand, ref["scores"], decl.scores, pinned, tolerance, describe, positions,
+                                  check_dtype)
+        if message:
+            result.messages.append(message)
+    if "protected" in candidate:
+        mm = compare_arrays(as_array(candidate["protected"], "protected"), ref["protected"],
+                            check_dtype=check_dtype, describe_index=describe)
+        if mm:
+            result.messages.append("protected: " + mm.message.replace("\n", "\n  "))
+    if "kept" in candidate:
+        kept = as_array(candidate["kept"], "kept")
+        exact = kept.shape == ref["kept"].shape and np.array_equal(kept, ref["kept"])
+        ret = compare_retention(kept, ref["kept"], ref_scores, positions=positions, protected=ref["protected"],
+                                tolerance=None if exact else tolerance(), rule=tolerance_rule(name, factor))
+        if not ret.ok:
+            result.messages.append("kept: " + ret.failure + _kept_sets(ret.head, kept, ref["kept"], positions))
+        result.ties = ret.ties
+        if strict_ties and ret.ties:
+            result.messages.extend("kept (strict ties): " + t.describe() for t in ret.ties)
+    if factor != 1.0:
+        tolerance()  # an override is checked for meaning even where nothing differs
+    if tol_cache:
+        heads = [h for h in range(ref_scores.shape[0])
+                 if tie_rule_meaningless(ref_scores[h], tol_cache[0][h], ~np.asarray(ref["protected"][h]))]
+        if heads:
+            result.notes.append(f"warning: at {name} precision{f' x {factor:g}' if factor != 1 else ''} the tie "
+                                f"rule accepts any swap in head(s) {heads} (every pair of scores is within "
+                                f"tolerance): kept sets there are not a meaningful check")
+    if result.messages:
+        result.status = Status.FAIL
+    elif result.ties:
+        result.status = Status.TIE
+    return result
+
+
+def _kept_sets(h, kept, desired, positions) -> str:
+    """The two kept sets of the failing head, by position (empty if the failure is not per head)."""
+    from ..formatting import format_ranges
+
+    if h is None:
+        return ""
+    cand, ref = np.sort(positions[h][kept[h]]), np.sort(positions[h][desired[h]])
+    only_c = sorted(set(cand.tolist()) - set(ref.tolist()))
+    only_r = sorted(set(ref.tolist()) - set(cand.tolist()))
+    return (f"\n  head {h}: candidate keeps positions {format_ranges(cand)}"
+            f"\n  head {h}: reference keeps positions {format_ranges(ref)}"
+            f"\n  only the candidate keeps {only_c}; only the reference keeps {only_r}")
+
+
+def _compare_scores(cand, ref, relation, pinned, tolerance, describe, positions, check_dtype) -> str | None:
+    ref = np.asarray(ref)
+    if cand.shape != ref.shape:
+        return f"scores: shape mismatch: actual {cand.shape}, desired {ref.shape}"
+    if relation == "exact":
+        if np.array_equal(cand, ref, equal_nan=True) and cand.dtype.kind == ref.dtype.kind:
+            return None
+        actual = np.where(pinned, ref, cand) if pinned.any() else cand
+        mm = compare_arrays(actual, ref, atol=tolerance(), check_dtype=check_dtype, describe_index=describe)
+        return None if mm is None else "scores: " + mm.message.replace("\n", "\n  ")
+    if cand.dtype.kind != "f" and check_dtype:
+        return f"scores: dtype mismatch: candidate scores must be floats, got {cand.dtype}"
+    a = cand.astype(np.float64)
+    s = ref.astype(np.float64)
+    tol = tolerance()
+    compared = ~pinned & np.isfinite(s)
+    if relation == "positive_multiple":
+        rescaled = np.empty_like(a)
+        rel = np.empty(a.shape[0])
+        for h in range(a.shape[0]):
+            use = compared[h] & (np.abs(s[h]) > tol[h]) & np.isfinite(a[h])
+            if not use.any():
+                rescaled[h], rel[h] = a[h], 0.0
+                continue
+            c = float(np.median(a[h, use] / s[h, use]))
+            if not (np.isfinite(c) and c > 0):
+                return f"scores (declared positive_multiple): head {h}: the ratio to the reference is {c:g}, not > 0"
+            rescaled[h] = a[h] / c
+            rel[h] = float(np.median(tol[h, use] / np.abs(s[h, use])))
+        slack = tol + rel[:, None] * np.abs(s)  # the estimated c carries the tolerance of a typical score
+        mm = compare_arrays(np.where(compared, rescaled, s), s, atol=slack, check_dtype=False,
+                            describe_index=describe)
+        if mm:
+            return ("scores (declared positive_multiple, rescaled by the median ratio per head): "
+                    + mm.message.replace("\n", "\n  "))
+        return None
+    message = compare_ranking(a, s, tol, positions, compared)
+    return None if message is None else "scores (declared monotone): " + message

@@ -1,0 +1,259 @@
+"""Tolerances derived from the precision a candidate computed in, and from each value's own scale.
+
+The derivation is in ``docs/oracle/tolerances.rst``; in short:
+
+* A candidate computing in a dtype with unit roundoff ``u`` (:data:`UNIT_ROUNDOFF`)
+  rounds its inputs to that dtype (a relative error ``<= u`` per element) and then
+  evaluates dot products of length ``d``, softmax normalisations over ``n`` tokens, sums
+  over the ``g * B`` queries of a KV head's group and norms. These are backward stable:
+  with a tree (pairwise or blocked) reduction, what the candidate computes is the exact
+  function of inputs perturbed relatively by at most ``eta`` (:func:`backward_error`),
+  ``eta = u * (2 + sum of ceil(log2 m))`` over the reductions it evaluates on what the
+  case stores (:func:`reductions`: ``d``, ``n``, ``g B``).
+* How far that moves each score is the score's own conditioning at this case. It is
+  measured with the reference policy itself, in float64: the inputs rounded to the
+  candidate's dtype (exactly what an emulated kernel does), all inputs scaled by
+  ``1 + eta`` (exact first-order bound for scores that are non-negative combinations of
+  attention weights), and :data:`RANDOM_TRIALS` seeded random-sign perturbations of size
+  ``eta`` (doubled, as random signs estimate a worst case from below).
+* ``tol_i = max(rounding, positive, 2 * random signs) + eta |s_i| + tiny / 2
+  + |s_i(float64) - s_i(reference)|``: the perturbations, the forward rounding of the
+  score's own last operations (with the dtype's smallest subnormal ``tiny`` for
+  underflow) and the reference's own rounding (for float32 cases).
+
+So the tolerance of a score is at the score's own scale (``|s_i|`` for an attention
+weight, the cosine's computation scale for a cosine near zero), never
+``max(1, max |s|)``, and a swap of two tokens is a tie only when
+``|s_i - s_j| <= tol_i + tol_j``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from ..validation import check_choice
+
+__all__ = [
+    "DTYPES",
+    "RANDOM_TRIALS",
+    "SMALLEST_SUBNORMAL",
+    "UNIT_ROUNDOFF",
+    "backward_error",
+    "check_dtype_name",
+    "e2e_rtol",
+    "reductions",
+    "round_to",
+    "score_tolerance",
+    "tie_rule_meaningless",
+]
+
+#: Unit roundoff ``u`` (half the machine epsilon) of each dtype a candidate may declare.
+UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+DTYPES = tuple(UNIT_ROUNDOFF)
+#: Smallest positive (subnormal) number of each dtype: rounding near zero has an absolute
+#: error of up to half of it (the standard model's underflow term).
+SMALLEST_SUBNORMAL = {"float64": 2.0 ** -1074, "float32": 2.0 ** -149, "bfloat16": 2.0 ** -133, "float16": 2.0 ** -24}
+#: Seeded random-sign perturbations per case (besides the rounding and the all-positive one).
+RANDOM_TRIALS = 4
+
+_BF16_MAX = (2.0 - 2.0 ** -7) * 2.0 ** 127
+
+
+def check_dtype_name(dtype) -> str | None:
+    """``dtype`` as one of :data:`DTYPES` (NumPy dtypes and ``"bf16"``-style names accepted), or None."""
+    if dtype is None:
+        return None
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "fp64": "float64",
+               "single": "float32", "double": "float64"}
+    name = str(dtype).removeprefix("torch.")
+    try:
+        name = np.dtype(name).name
+    except TypeError:
+        pass
+    return check_choice("dtype", aliases.get(name, name), DTYPES)
+
+
+def round_to(x, dtype) -> np.ndarray:
+    """Round float data to the precision of ``dtype``, in pure NumPy.
+
+    Parameters
+    ----------
+    x : array_like
+        Float data (any float dtype; integers are converted).
+    dtype : {"bfloat16", "float16", "float32", "float64"}
+
+    Returns
+    -------
+    ndarray
+        float32 for bfloat16, float16 and float32 (the values are exact there), float64
+        for float64. Rounding is to nearest, ties to even, with bfloat16's and float16's
+        exponent ranges: overflow gives infinity, tiny values round to their subnormals.
+        NaN stays NaN.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refkv.testing import round_to
+    >>> round_to(np.array([1 + 2**-9, 1 + 3 * 2**-9, 70000.0]), "bfloat16").tolist()
+    [1.0, 1.0078125, 70144.0]
+    >>> round_to(np.array([70000.0]), "float16").tolist()
+    [inf]
+    """
+    name = check_dtype_name(dtype)
+    a = np.asarray(x, dtype=np.float64)
+    if name == "float64":
+        return a.copy()
+    if name == "float32":
+        return a.astype(np.float32)
+    if name == "float16":
+        with np.errstate(over="ignore"):
+            return a.astype(np.float16).astype(np.float32)
+    # bfloat16: 8 significant bits, float32's exponent range (subnormal step 2**-133).
+    with np.errstate(over="ignore", invalid="ignore"):
+        _, e = np.frexp(a)
+        step = np.ldexp(1.0, np.maximum(e, -125) - 8)
+        out = np.round(a / step) * step  # np.round: half to even
+        out = np.where(np.abs(out) > _BF16_MAX, np.copysign(np.inf, a), out)
+        out = np.where(np.isfinite(a), out, a)
+    return out.astype(np.float32)
+
+
+def reductions(case) -> tuple[int, ...]:
+    """Lengths of the reductions a candidate evaluates on what ``case`` stores.
+
+    Keys or values stored: norms and dot products (``d``) and means over the tokens
+    (``n``); queries stored: the candidate computes attention itself (``d``, ``n``) and
+    sums it over the group's queries (``g B``); attention stored: only that last sum.
+    """
+    s = case.sizes
+    d, n, gb = s["d_head"], s["n"], (s["n_heads"] // s["n_kv_heads"]) * s["block"]
+    lengths = set()
+    stored = set(case.inputs)
+    if stored & {"keys", "values", "block_keys", "block_values", "queries"}:
+        lengths.update(("d", "n"))
+    if stored & {"queries", "attention"}:
+        lengths.add("gB")
+    return tuple(sorted({"d": d, "n": n, "gB": gb}[k] for k in lengths))
+
+
+def backward_error(dtype, lengths=()) -> float:
+    """``eta``: relative input perturbation equivalent to computing in ``dtype``.
+
+    ``u`` times: one rounding of each input, one of each elementwise operation (exp,
+    division, the output), and ``ceil(log2 m)`` for a tree reduction of each length
+    ``m`` in ``lengths`` (:func:`reductions`).
+    """
+    u = UNIT_ROUNDOFF[check_dtype_name(dtype)]
+    return u * (2 + sum(math.ceil(math.log2(max(int(m), 1))) for m in lengths))
+
+
+def _float_inputs(case, transform):
+    """The case with every float input and field replaced by ``transform(name, float64 array)``."""
+    def conv(name, a):
+        return transform(name, a.astype(np.float64)) if a.dtype.kind == "f" else a
+    inputs = {k: conv(k, v) for k, v in case.inputs.items()}
+    fields = {k: conv("fields." + k, v) for k, v in case.fields.items()}
+    return replace(case, dtype="float64", inputs=inputs, fields=fields)
+
+
+def _scores(policy, case) -> np.ndarray | None:
+    try:
+        with np.errstate(all="ignore"):
+            return np.asarray(policy.score(case.view()), dtype=np.float64)
+    except (ValueError, FloatingPointError, ZeroDivisionError):
+        return None
+
+
+def score_tolerance(case, dtype=None) -> np.ndarray:
+    """Per-score tolerance ``(Hkv, n)`` of a candidate computing ``case`` in ``dtype``.
+
+    Parameters
+    ----------
+    case : refkv.oracle.VectorCase
+        A reference case (its inputs and its policy).
+    dtype : str, optional
+        The candidate's precision (:data:`DTYPES`); default the case's own dtype.
+
+    Returns
+    -------
+    ndarray of float64, the shape of ``case.outputs["scores"]``; 0 where the reference
+    score is not finite (those must match exactly).
+    """
+    name = check_dtype_name(dtype) or case.dtype
+    u = UNIT_ROUNDOFF[name]
+    eta = backward_error(name, reductions(case))
+    ref = np.asarray(case.outputs["scores"], dtype=np.float64)
+    try:
+        policy = case.policy()
+    except (ValueError, TypeError):
+        # A policy this process does not know: no reference code to measure the
+        # conditioning with, so the magnitude model of end-to-end goldens, with a
+        # doubled eta (e2e goldens store no inputs either).
+        from .walk import decision_tolerance
+
+        rows = [decision_tolerance(row, 2.0 * eta) for row in ref]
+        return np.stack(rows) + u * np.where(np.isfinite(ref), np.abs(ref), 0.0) if rows else np.zeros(ref.shape)
+    base = _scores(policy, _float_inputs(case, lambda _, a: a))
+    if base is None or base.shape != ref.shape:
+        base = ref
+    finite = np.isfinite(ref) & np.isfinite(base)
+
+    def deviation(transform) -> np.ndarray:
+        got = _scores(policy, _float_inputs(case, transform))
+        if got is None or got.shape != ref.shape:
+            return np.zeros(ref.shape)
+        with np.errstate(invalid="ignore"):
+            dev = np.abs(got - base)
+        return np.where(finite & np.isfinite(dev), dev, 0.0)
+
+    rounded = deviation(lambda _, a: round_to(a, name).astype(np.float64))
+    positive = deviation(lambda _, a: a * (1.0 + eta))
+    signed = np.zeros(ref.shape)
+    seed = [int(case.id), DTYPES.index(name), sum(map(ord, case.policy_name))]
+    rng = np.random.default_rng(seed)
+    for _ in range(RANDOM_TRIALS):
+        signs = {}
+
+        def random_sign(key, a, signs=signs):
+            signs.setdefault(key, rng.choice([-1.0, 1.0], size=a.shape))
+            return a * (1.0 + eta * signs[key])
+        signed = np.maximum(signed, deviation(random_sign))
+    with np.errstate(invalid="ignore"):
+        own = np.where(finite, np.abs(base - ref), 0.0)
+        # The score's own last operations (a division by a norm product, a square root, a
+        # normalisation) each round relatively: a forward error of up to eta |s_i|. The
+        # input perturbations above cannot show it when the score is invariant to them
+        # (a key's cosine with an anchor made of that key alone is exactly -1 under any
+        # perturbation of the shared key, yet a bf16 kernel returns -1.0078).
+        output = eta * np.where(finite, np.abs(ref), 0.0) + 0.5 * SMALLEST_SUBNORMAL[name]
+        tol = np.maximum.reduce([rounded, positive, 2.0 * signed]) + output + own
+    return np.where(np.isfinite(ref), tol, 0.0)
+
+
+def tie_rule_meaningless(scores: np.ndarray, tol: np.ndarray, candidates: np.ndarray | None = None) -> bool:
+    """True if every pair of (finite, distinct) scores of a row is within tolerance: any swap is a tie."""
+    s, t = np.asarray(scores, dtype=np.float64), np.asarray(tol, dtype=np.float64)
+    keep = np.isfinite(s) if candidates is None else (np.isfinite(s) & candidates)
+    s, t = s[keep], t[keep]
+    if s.size < 2 or s.max() == s.min():
+        return False
+    return bool(np.all(np.abs(s[:, None] - s[None, :]) <= t[:, None] + t[None, :]))
+
+
+def e2e_rtol(stored_rtol: float, golden_dtype: str, dtype=None) -> float:
+    """Relative tolerance of an end-to-end golden's scores and logits for a candidate in ``dtype``.
+
+    The golden states the tolerance of its own dtype; a candidate computing in a coarser
+    dtype gets it scaled by the ratio of unit roundoffs (the same amplification through
+    the model), a finer one keeps it.
+    """
+    name = check_dtype_name(dtype) or golden_dtype
+    ratio = UNIT_ROUNDOFF[name] / UNIT_ROUNDOFF[golden_dtype]
+    if golden_dtype == "float64" and ratio > 1:
+        # A float64 golden's tolerance is loose for float64 (1e-8 for u = 1e-16); scale
+        # from the float32 goldens' amplification instead (rtol 1e-4 for u = 2**-24).
+        return 1e-4 * UNIT_ROUNDOFF[name] / UNIT_ROUNDOFF["float32"]
+    return stored_rtol * max(ratio, 1.0)
