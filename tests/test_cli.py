@@ -56,7 +56,7 @@ def test_errors_exit_2_with_a_message(capsys):
     (["--policy", "sink", "--budget", "16", "--threads", "0"], "--threads must be an integer >= 1, got 0"),
     (["--policy", "full", "--budget", "64"], "--budget cannot be used with --policy full"),
     (["--policy", "keydiff", "--param", "sink=4", "--budget", "64"],
-     "--param sink is not a parameter of keydiff; allowed: "),
+     "policy 'keydiff' has no parameter 'sink'; allowed: "),
     (["--policy", "knorm", "--param", "skip_layers=(7,)", "--budget", "64"], "skip_layers must be in [0, 3]"),
     (["--policy", "mat", "--budget", "64", "--block", "64"],
      "--block must be <= 60 for --policy mat with --budget 64"),  # N - sink in its shallow layers
