@@ -167,14 +167,14 @@ def stages(policy: Policy, case: Case, fields) -> dict:
         return policy.score(select_view)
 
     def select():
-        return policy.keep_indices(select_view, case.budget)
+        return policy.keep_indices(select_view)
 
     def whole():
         w = materialise() if wants_attention else None
         seen = replace(after_view, attention=w)
         new_fields = {**fields, **policy.observe(seen)}
         chosen = select_view if before else replace(seen, fields=new_fields)
-        return policy.keep_indices(chosen, case.budget)
+        return policy.keep_indices(chosen)
 
     return {"attention": materialise if wants_attention else None, "observe": observe, "score": score,
             "select": select, "whole": whole}

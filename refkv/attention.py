@@ -136,24 +136,24 @@ def _attend(q, k, v, q_pos, k_pos, return_weights: bool, key_chunk: int):
     n_kv, n, d = k.shape
     heads, b, _ = q.shape
     if return_weights:
-        logits = causal_logits(q, k, q_pos, k_pos)
+        logits = causal_logits(q, k, q_pos, k_pos)  # (Hkv, g, B, n)
         logits -= logits.max(axis=-1, keepdims=True)
         p = np.exp(logits, out=logits)
-        total = p.sum(axis=-1, keepdims=True)
-        out = (p @ v[:, None]) / total
+        total = p.sum(axis=-1, keepdims=True)  # (Hkv, g, B, 1)
+        out = (p @ v[:, None]) / total  # (Hkv, g, B, n) @ (Hkv, 1, n, d) -> (Hkv, g, B, d)
         p /= total
-        return out.reshape(heads, b, d), p
+        return out.reshape(heads, b, d), p  # (H, B, d), (Hkv, g, B, n)
 
     # Online softmax (FlashAttention): keep a running max m, normaliser l and
     # unnormalised output acc; rescale them by exp(m_old - m_new) as each tile arrives.
     # With a single tile this performs exactly the operations of the branch above.
-    qg = _group(q, n_kv)
-    m = np.full((n_kv, heads // n_kv, b, 1), -np.inf, dtype=q.dtype)
-    l = np.zeros_like(m)
-    acc = np.zeros((n_kv, heads // n_kv, b, d), dtype=q.dtype)
+    qg = _group(q, n_kv)  # (Hkv, g, B, d)
+    m = np.full((n_kv, heads // n_kv, b, 1), -np.inf, dtype=q.dtype)  # running max, (Hkv, g, B, 1)
+    l = np.zeros_like(m)  # running normaliser, (Hkv, g, B, 1)
+    acc = np.zeros((n_kv, heads // n_kv, b, d), dtype=q.dtype)  # unnormalised output, (Hkv, g, B, d)
     for start in range(0, n, key_chunk):
         stop = min(start + key_chunk, n)
-        s = causal_logits(qg.reshape(heads, b, d), k[:, start:stop], q_pos, k_pos[:, start:stop])
+        s = causal_logits(qg.reshape(heads, b, d), k[:, start:stop], q_pos, k_pos[:, start:stop])  # (Hkv, g, B, c)
         m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
         # A row whose keys so far are all in its future has m_new = -inf; keep it at 0.
         safe = np.where(np.isfinite(m_new), m_new, 0.0)
@@ -161,9 +161,9 @@ def _attend(q, k, v, q_pos, k_pos, return_weights: bool, key_chunk: int):
         s -= safe
         p = np.exp(s, out=s)
         l = l * correction + p.sum(axis=-1, keepdims=True)
-        acc = acc * correction + p @ v[:, None, start:stop]
+        acc = acc * correction + p @ v[:, None, start:stop]  # (Hkv, g, B, c) @ (Hkv, 1, c, d)
         m = m_new
-    return (acc / l).reshape(heads, b, d), None
+    return (acc / l).reshape(heads, b, d), None  # (H, B, d)
 
 
 def _group(q: np.ndarray, n_kv: int) -> np.ndarray:

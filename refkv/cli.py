@@ -1,14 +1,16 @@
-"""The ``refkv`` command (also ``python -m refkv``).
+"""The ``refkv`` command (also ``python -m refkv``): the top layer.
 
-Subcommands are added by small ``add_*`` functions so each feature keeps its own
-command next to its code; :func:`build_parser` lists them.
+Subcommands are added by small ``add_*`` functions; :func:`build_parser` lists them. The
+library never imports this module (a test checks it): commands call the library, and
+what the library needs (policy specs, text formatting) lives in leaf modules,
+:mod:`refkv.policies.spec` and :mod:`refkv.formatting`.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
+import time
 
 import numpy as np
 
@@ -16,32 +18,15 @@ from . import __version__, policies
 from .engine import Engine
 from .experiments.cli import add_experiment_command
 from .formatting import format_ranges
-from .generation import add_generate_command
+from .generation import _check_prompt, example_passage, generate_text
 from .model.config import TINY
 from .oracle.cli import add_golden_command
+from .policies.spec import parse_params
 from .threads import blas_threads, choose_threads
 from .validation import check_int
 
 __all__ = ["HelpFormatter", "Parser", "build_parser", "check_policy_arguments", "check_policy_for_model",
-           "format_ranges", "main", "parse_params"]
-
-
-def parse_params(items: list[str] | None) -> dict:
-    """Parse ``["key=value", ...]`` into a dict; values are Python literals or strings.
-
-    ``ast.literal_eval`` only reads literals (numbers, strings, tuples, booleans, None),
-    so nothing is executed.
-    """
-    params = {}
-    for item in items or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise ValueError(f"--param must look like name=value, got {item!r}")
-        try:
-            params[key] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            params[key] = raw
-    return params
+           "evicted_summary", "main"]
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -247,6 +232,133 @@ def evicted_summary(engine) -> str:
             lines.append(f"  {name}: {', '.join(map(str, counts[start]))}")
             start = layer
     return "\n".join(lines)
+
+
+# -- refkv generate ------------------------------------------------------------------------
+def _read_stdin() -> str:
+    """Standard input as text; bytes that are not UTF-8 become lone surrogates (then refused)."""
+    raw = getattr(sys.stdin, "buffer", None)
+    return sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
+
+
+#: A prefill expected to take longer than this many seconds gets a progress line.
+PROGRESS_AFTER_SECONDS = 2.0
+
+
+def add_generate_command(sub) -> None:
+    """Register ``refkv generate`` on an argparse subparsers object."""
+    p = sub.add_parser("generate", help="generate text with the real model under a KV-cache policy",
+                       description="Greedy generation, streamed to stdout; progress and statistics go to "
+                                   "stderr. The prompt is the PROMPT argument, a file (--prompt-file), "
+                                   "stdin (PROMPT is -) or the shipped example passage (--example).")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt text, or - to read it from stdin")
+    p.add_argument("--prompt-file", metavar="PATH", default=None, help="read the prompt from this file")
+    p.add_argument("--example", action="store_true",
+                   help="use the shipped example: a ~300-token passage and a question about it")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2', 'tiny' (random, byte tokens), a .gguf file or a checkpoint directory")
+    _policy_arguments(p)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="generation limit")
+    p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    p.add_argument("--dtype", choices=("float32", "float64"), default=None,
+                   help="default: float32 for trained models, float64 for tiny")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _read_prompt(args) -> str:
+    given = [name for name, on in (("PROMPT", args.prompt is not None), ("--prompt-file", args.prompt_file),
+                                   ("--example", args.example)) if on]
+    if len(given) != 1:
+        raise ValueError("give exactly one of PROMPT, --prompt-file PATH or --example"
+                         + (f" (got {' and '.join(given)})" if given else ""))
+    if args.example:
+        return example_passage()
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"--prompt-file {args.prompt_file!r} cannot be read: {err}") from None
+    return _read_stdin() if args.prompt == "-" else args.prompt
+
+
+def _cmd_generate(args) -> int:
+    check_int("--max-new-tokens", args.max_new_tokens, 0)
+    prompt = _read_prompt(args)
+    _check_prompt(prompt)  # before loading the model: a bad byte fails at once
+    if not prompt.strip():
+        raise ValueError("the prompt must not be empty")
+    tiny = TINY if args.model == "tiny" else None  # the one model whose shape is known unloaded
+    policy = check_policy_arguments(args, tiny)  # before the model is read: errors come at once
+    if args.block is None and args.budget is not None:
+        # Every word is at least one token, so a prompt of more words than a policy's block
+        # limit is refused now; the exact count is checked once the tokenizer is read.
+        check_policy_for_model(policy, args, tiny or TINY.replace(n_layers=_ANY_DEPTH), len(prompt.split()),
+                               at_least=True)
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    from .model.loading import load_with_tokenizer
+
+    start = time.perf_counter()
+    model, tokenizer = load_with_tokenizer(args.model, dtype=args.dtype)
+    load_seconds = time.perf_counter() - start
+    chat = not args.raw and tokenizer.has_chat_template
+    ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
+    n_prompt = len(ids)
+    check_policy_for_model(policy, args, model.config, n_prompt)
+    choice = choose_threads(model.config, requested=args.threads)
+
+    # "open": a progress line without its newline is on screen; it is ended before anything
+    # else prints, so neither the reply nor an error is glued to it.
+    line = {"started": False, "open": False, "printed": 0.0}
+    tty = sys.stderr.isatty()
+
+    def progress(done: int, total: int) -> None:
+        elapsed = time.perf_counter() - prefill_start
+        on_course_for = elapsed * total / max(done, 1)  # extrapolated prefill time
+        if not line["started"] and (done >= total or on_course_for <= PROGRESS_AFTER_SECONDS):
+            return  # a fast prefill stays quiet
+        rate = done / max(elapsed, 1e-9)
+        text = f"prefill: {done}/{total} tokens ({rate:.0f} tokens/s)"
+        if tty:  # redrawn in place
+            print(f"\r{text}", end="", file=sys.stderr, flush=True)
+            line["open"] = True
+        elif done >= total or elapsed - line["printed"] >= PROGRESS_AFTER_SECONDS:  # a log: one line per ~2 s
+            print(text, file=sys.stderr, flush=True)
+            line["printed"] = elapsed
+        line["started"] = True
+
+    def end_line() -> None:
+        if line["open"]:
+            print(file=sys.stderr, flush=True)
+            line["open"] = False
+
+    def show(piece: str) -> None:
+        end_line()
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    if args.block is None and n_prompt >= 256:
+        print(f"prefill: {n_prompt} tokens as one block (--block B shows progress) ...", file=sys.stderr,
+              flush=True)
+    prefill_start = time.perf_counter()
+    try:
+        with blas_threads(choice.n):
+            result = generate_text(model, tokenizer, prompt, policy=policy, budget=args.budget,
+                                   block_size=args.block, max_new_tokens=args.max_new_tokens, chat=chat,
+                                   on_text=show, progress=progress)
+    finally:
+        end_line()
+    print(flush=True)
+    n_new = len(result.tokens)
+    s = result.engine.stats
+    block = "whole prompt" if args.block is None else args.block
+    print(f"[{model.config.name} {model.dtype}, loaded in {load_seconds:.1f} s; policy {policy.describe()}, "
+          f"budget {args.budget}, block {block}; prompt {n_prompt} tokens in {result.prefill_seconds:.2f} s; "
+          f"{n_new} generated in {result.decode_seconds:.2f} s"
+          f"{' (stop token)' if result.stopped else ' (limit)'}; peak cache {s.peak_cache_tokens} tokens per head; "
+          f"threads {choice.n}, {choice.reason}]", file=sys.stderr)
+    print(f"[{evicted_summary(result.engine)}]", file=sys.stderr)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -33,6 +33,7 @@ import numpy as np
 
 from .attention import DEFAULT_KEY_CHUNK, NonFiniteError, attend
 from .cache import LayerCache
+from .model.config import ModelConfig
 from .model.decoder import Model
 from .policies import Policy, View
 from .policies import get as get_policy
@@ -237,7 +238,8 @@ class Engine:
         model = self.model
         q, k, v = model.qkv(layer, x, rope)  # (H, B, d), (Hkv, B, d), (Hkv, B, d); q and k after RoPE
         step = layer_step(self.policy, self.caches[layer], q, k, v, layer=layer, n_layers=model.config.n_layers,
-                          budget=self.budget, evict=self._evictor(layer), key_chunk=self.key_chunk)
+                          budget=self.budget, evict=self._evictor(layer), key_chunk=self.key_chunk,
+                          config=model.config)
         self.stats.peak_cache_tokens = max(self.stats.peak_cache_tokens, step.peak)
         self.stats.attention_calls += 1
         self.stats.attention_materialised += step.weights is not None
@@ -259,7 +261,7 @@ class Engine:
 
     def _evict(self, layer: int, view: View, keep: int) -> None:
         """Shrink ``layer``'s cache to ``keep`` tokens per head with the policy's choice."""
-        kept = self.policy.keep_indices(replace(view, budget=keep), keep)
+        kept = self.policy.keep_indices(decision_view(view, keep))  # (Hkv, keep)
         self.caches[layer].keep(kept)
         self.stats.evictions += 1
 
@@ -300,9 +302,7 @@ class Engine:
         on_token : callable, optional
             Called with each new id as soon as it is chosen (streaming).
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-                or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens, 0)
         eos = set(int(e) for e in eos)
         generated: list[int] = []
         for step in range(max_new_tokens):
@@ -331,16 +331,18 @@ def _check_finite(array: np.ndarray, what: str) -> None:
 
 # -- one layer's step, shared by the engine and the oracle's one-layer replay -------------------------
 def decision_view(view: View, keep: int) -> View:
-    """The view a policy decides on at an eviction that keeps ``keep`` tokens per head."""
-    return replace(view, budget=keep)
+    """The view a policy decides on at an eviction that keeps ``keep`` tokens per head
+    (``view.keep``; ``view.budget`` stays ``N``)."""
+    return replace(view, keep=keep)
 
 
 def step_view(layer: int, n_layers: int, cache: LayerCache, q: np.ndarray, query_positions: np.ndarray,
-              k: np.ndarray, v: np.ndarray, weights: np.ndarray | None, budget: int | None) -> View:
+              k: np.ndarray, v: np.ndarray, weights: np.ndarray | None, budget: int | None,
+              config: ModelConfig | None = None) -> View:
     """What a policy sees of layer ``layer``'s ``cache`` and the block (q, k, v, weights)."""
     return View(layer=layer, n_layers=n_layers, keys=cache.keys, values=cache.values, positions=cache.positions,
                 fields=dict(cache.fields), queries=q, query_positions=query_positions, block_keys=k,
-                block_values=v, attention=weights, budget=budget)
+                block_values=v, attention=weights, budget=budget, config=config)
 
 
 @dataclass(frozen=True)
@@ -364,7 +366,8 @@ class Step:
 
 def layer_step(policy: Policy, cache: LayerCache, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, layer: int,
                n_layers: int, budget: int | None, evict: Callable[[View, int, str], None],
-               key_chunk: int = DEFAULT_KEY_CHUNK, evict_always: bool = False) -> Step:
+               key_chunk: int = DEFAULT_KEY_CHUNK, evict_always: bool = False,
+               config: ModelConfig | None = None) -> Step:
     """One layer's attention step under an eviction policy: steps 2-6 of this module's docstring.
 
     The one place where the order of a layer's step is written; :class:`Engine` and
@@ -392,24 +395,28 @@ def layer_step(policy: Policy, cache: LayerCache, q: np.ndarray, k: np.ndarray, 
     evict_always : bool
         Call ``evict`` at the policy's stage even when the cache fits in the budget (the
         replay uses it to see the decision of a block that needs no eviction).
+    config : ModelConfig, optional
+        The model's configuration, handed to the policy in every view (``view.config``).
     """
     b = q.shape[1]
     query_positions = np.arange(cache.next_position, cache.next_position + b, dtype=np.int64)  # (B,)
 
     if policy.evict_before_attention and budget is not None and (evict_always or len(cache) + b > budget):
-        evict(step_view(layer, n_layers, cache, q, query_positions, k, v, None, budget), budget - b, "before-attention")
+        evict(step_view(layer, n_layers, cache, q, query_positions, k, v, None, budget, config), budget - b,
+              "before-attention")
 
     cache.append(k, v)  # C_i <- [K_{i-1} || k_block]: (Hkv, n + B, d)
     peak = len(cache)
     out, weights = attend(q, cache.keys, cache.values, query_positions, cache.positions,
                           return_weights="attention" in policy.needs, key_chunk=key_chunk)  # (H, B, d)
 
-    observed = step_view(layer, n_layers, cache, q, query_positions, k, v, weights, budget)
+    observed = step_view(layer, n_layers, cache, q, query_positions, k, v, weights, budget, config)
     for name, array in policy.observe(observed).items():
         cache.set_field(name, array)  # (Hkv, n, ...)
     after = not policy.evict_before_attention and evict_always
     if budget is not None and (after or len(cache) > budget):
-        evict(step_view(layer, n_layers, cache, q, query_positions, k, v, weights, budget), budget, "after-attention")
+        evict(step_view(layer, n_layers, cache, q, query_positions, k, v, weights, budget, config), budget,
+              "after-attention")
     return Step(out=out, weights=weights, peak=peak)
 
 
@@ -417,8 +424,7 @@ def blocks(tokens: np.ndarray, block_size: int | None) -> list[np.ndarray]:
     """Split ``tokens`` into consecutive blocks of ``block_size`` (the last may be shorter)."""
     if block_size is None:
         return [tokens]
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1 or None, got {block_size!r}")
+    check_int("block_size", block_size, 1)
     return [tokens[i:i + block_size] for i in range(0, len(tokens), block_size)]
 
 

@@ -34,16 +34,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .validation import check_int
+
 __all__ = ["gaussian_planes", "hamming", "hamming_unpacked", "pack_codes", "simhash", "unpack_codes"]
 
 # Number of one bits of every byte value.
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
-
-
-def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
 
 
 def gaussian_planes(n_bits: int, d: int, seed: int = 0, dtype=np.float64) -> np.ndarray:
@@ -64,8 +60,8 @@ def gaussian_planes(n_bits: int, d: int, seed: int = 0, dtype=np.float64) -> np.
     -------
     (n_bits, d) array of ``dtype``
     """
-    n_bits = _check_positive_int("n_bits", n_bits)
-    d = _check_positive_int("d", d)
+    n_bits = check_int("n_bits", n_bits, 1)
+    d = check_int("d", d, 1)
     rng = np.random.default_rng(seed)
     return rng.standard_normal((n_bits, d)).astype(dtype, copy=False)
 
@@ -118,7 +114,7 @@ def pack_codes(codes: np.ndarray) -> np.ndarray:
 
 def unpack_codes(packed: np.ndarray, n_bits: int) -> np.ndarray:
     """Inverse of :func:`pack_codes`: ``(..., ceil(n_bits / 8))`` uint8 -> ``(..., n_bits)`` bool."""
-    n_bits = _check_positive_int("n_bits", n_bits)
+    n_bits = check_int("n_bits", n_bits, 1)
     packed = np.asarray(packed)
     if packed.dtype != np.uint8:
         raise ValueError(f"packed must be a uint8 array, got dtype {packed.dtype}")

@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-from refkv.cli import main, parse_params
+from refkv.cli import main
 from refkv.formatting import format_ranges
+from refkv.policies.spec import parse_params
 
 
 def test_run_prints_kept_positions_peak_and_tokens(capsys):
@@ -168,12 +169,12 @@ def test_generate_errors_come_before_the_model_loads(capsys, monkeypatch):
 
 def test_progress_line_only_for_a_slow_prefill(capsys, monkeypatch):
     """The progress line appears once the prefill is on course to take more than ~2 s."""
-    import refkv.generation as generation
+    import refkv.cli as cli
 
-    monkeypatch.setattr(generation, "PROGRESS_AFTER_SECONDS", 0.0)  # every prefill is "slow"
+    monkeypatch.setattr(cli, "PROGRESS_AFTER_SECONDS", 0.0)  # every prefill is "slow"
     assert main(["generate", "x" * 200, "--model", "tiny", "--block", "50", "--max-new-tokens", "2"]) == 0
     assert "prefill: 200/200 tokens" in capsys.readouterr().err
-    monkeypatch.setattr(generation, "PROGRESS_AFTER_SECONDS", 1e9)
+    monkeypatch.setattr(cli, "PROGRESS_AFTER_SECONDS", 1e9)
     assert main(["generate", "x" * 200, "--model", "tiny", "--block", "50", "--max-new-tokens", "2"]) == 0
     assert "prefill:" not in capsys.readouterr().err
 

@@ -171,6 +171,7 @@ def test_sphinx_build_has_no_warnings(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(DOCS, src / "docs", ignore=shutil.ignore_patterns("_build", "tutorials", "__pycache__"))
     shutil.copytree(ROOT / "tutorials", src / "tutorials", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "CONTRIBUTING.rst", src / "CONTRIBUTING.rst")  # docs/contributing.rst includes it
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                MPLBACKEND="Agg")
     result = subprocess.run(

@@ -174,8 +174,11 @@ def test_select_protected_first_and_errors():
     positions = np.arange(4)[None]
     protected = np.array([[False, False, False, True]])
     np.testing.assert_array_equal(select(scores, positions, 2, protected), [[0, 3]])
+    assert select(scores, positions, 0).shape == (1, 0)      # a block of B = N evicted before attention
     with pytest.raises(ValueError, match="budget"):
-        select(scores, positions, 0)
+        select(scores, positions, -1)
+    with pytest.raises(ValueError, match="protected"):
+        select(scores, positions, 0, protected)
     with pytest.raises(ValueError, match="protected"):
         select(scores, positions, 1, np.array([[True, True, False, False]]))
     with pytest.raises(ValueError, match="NaN"):

@@ -72,7 +72,7 @@ def test_the_one_shot_workflow_of_the_docs_runs(tmp_path):
 
         policy = pol.get("snapkv", window=case.params["window"] + 1)
         view = case.view()
-        return {"scores": policy.score(view), "kept": policy.keep_indices(view, case.budget)}
+        return {"scores": policy.score(view), "kept": policy.keep_indices(view)}
 
     with pytest.raises(AssertionError, match="scores differ"):
         module.check_kernel(path, wrong)

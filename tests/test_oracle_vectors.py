@@ -30,7 +30,7 @@ def test_refkv_reproduces_every_committed_vector_from_the_file_alone(path):
         policy = case.policy()
         view = case.view()
         assert_case(case, scores=policy.score(view), protected=policy.protected(view),
-                    kept=policy.keep_indices(view, case.budget), strict_ties=True, check_dtype=True)
+                    kept=policy.keep_indices(view), strict_ties=True, check_dtype=True)
 
 
 def test_every_file_declares_its_flags_and_versions():
@@ -89,10 +89,10 @@ def test_replay_gives_the_engines_eviction_view(name, block, tiny64):
     tokens = _layer0_tokens(tiny64, prompt[:end], block or end)
     view = replay(policy, tokens, block_size=block, budget=budget, layer=0, n_layers=tiny64.config.n_layers)
     assert np.array_equal(view.positions, seen.positions)
-    assert view.budget == seen.budget
+    assert (view.budget, view.keep) == (seen.budget, seen.keep)
     assert np.array_equal(policy.score(view), policy.score(seen), equal_nan=True)
-    kept = policy.keep_indices(view, view.budget)
-    assert np.array_equal(kept, policy.keep_indices(seen, seen.budget))
+    kept = policy.keep_indices(view)
+    assert np.array_equal(kept, policy.keep_indices(seen))
     assert np.array_equal(kept, events[-1].kept)  # the event records the decision itself
     for field, array in seen.fields.items():
         assert np.array_equal(view.fields[field], array, equal_nan=True), field
@@ -220,7 +220,8 @@ def test_encode_read_round_trip_rebuilds_the_view(tmp_path):
     assert np.array_equal(back.attention, view.attention) and back.attention.dtype == np.float32
     assert np.array_equal(back.positions, view.positions)
     assert np.isnan(back.keys).all()  # TOVA never reads keys, so they are not in the file
-    assert np.array_equal(p.keep_indices(back, 5), p.keep_indices(view, 5))
+    assert back.keep == view.keep == 5
+    assert np.array_equal(p.keep_indices(back), p.keep_indices(view))
     assert str(case) == "tova-7" and "tova case 7" in case.label
 
 

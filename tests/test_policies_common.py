@@ -13,11 +13,14 @@ test-only policies registered by other test modules and are left out.
 * ``refkv policies`` lists the policy with its summary and paper.
 """
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from refkv import policies
 from refkv.cli import main
 from refkv.engine import Engine, blocks
 from refkv.model import TINY
@@ -56,8 +59,8 @@ def spy_on(policy) -> list:
     records = []
     original = policy.keep_indices
 
-    def keep_indices(view, budget):
-        kept = original(view, budget)
+    def keep_indices(view):
+        kept = original(view)
         records.append((policy.protected(view), kept))
         return kept
 
@@ -181,3 +184,58 @@ def test_runs_on_the_real_model(name, smollm2):
     tokens = np.random.default_rng(4).integers(0, smollm2.config.vocab_size, budget + 8)
     engine = check_run(name, smollm2, tokens, budget, 8)
     assert engine.stats.evictions > 0
+
+
+# -- the generated tables ---------------------------------------------------------------------
+def test_policy_tables_are_generated_from_the_registry():
+    """README.rst and docs/policies/index.rst hold exactly the tables refkv.policies.catalog writes."""
+    import pathlib
+
+    from refkv.policies import catalog
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    stale = catalog.update_files(root, write=False)
+    assert stale == [], f"run `python -m refkv.policies.catalog` to regenerate the tables of {stale}"
+    # Every registered refkv policy is a row of both, and the docs row states its true signals.
+    readme = (root / "README.rst").read_text(encoding="utf-8")
+    docs = (root / "docs" / "policies" / "index.rst").read_text(encoding="utf-8")
+    for cls in catalog.ordered_classes():
+        assert f"\n{cls.name} " in readme and f"{cls.name}`" in docs, cls.name
+
+
+def test_replace_block_rewrites_only_the_table():
+    from refkv.policies import catalog
+
+    text = f"intro\n\n{catalog.DOCS_TABLE_HEAD}\n   :header-rows: 1\n\n   * - old\n     - row\n\nafter\n"
+    new = catalog.replace_block(text, "docs", "TABLE\n")
+    assert new == "intro\n\nTABLE\n\nafter\n"
+
+
+# -- the protocol -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", available())
+def test_no_policy_overrides_keep_indices(name):
+    """The view says how many to keep (view.keep); select() applies the shared rule: no policy
+    needs its own keep_indices (HashEvict and MAT once had one to work around the budget)."""
+    assert policies.policy_class(name).keep_indices is policies.Policy.keep_indices
+
+
+@pytest.mark.parametrize("name", available())
+def test_every_protocol_attribute_is_declared_on_the_base(name):
+    cls = policies.policy_class(name)
+    declared = {k for k, v in vars(policies.Policy).items() if not k.startswith("_")}
+    own = {k for klass in cls.__mro__[:-1] if klass is not policies.Policy and issubclass(klass, policies.Policy)
+           for k in vars(klass) if not k.startswith("_") and k not in getattr(klass, "__dataclass_fields__", {})}
+    public_api = own - declared
+    # What a policy adds beyond the protocol are its own helpers (methods, properties), never
+    # a class-level fact that other modules would read with getattr.
+    for attr in public_api:
+        assert callable(getattr(cls, attr)) or isinstance(getattr(cls, attr), property), (name, attr)
+
+
+def test_view_budget_is_n_and_keep_defaults_to_it():
+    from policy_views import make_view
+
+    view = make_view(n=6, budget=4)
+    assert (view.budget, view.keep) == (4, 4)
+    before = replace(view, keep=2)
+    assert (before.budget, before.keep) == (4, 2)

@@ -1,6 +1,6 @@
 """CAOTE / FastCAOTE (CAOTE Eqs. 8, 19-22): eviction error from base scores and values."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -12,7 +12,7 @@ from refkv.attention import softmax
 from refkv.cli import main
 from refkv.engine import Engine
 from refkv.model import TINY
-from refkv.policies import Policy, available, get
+from refkv.policies import Policy, available, get, policy_class
 from refkv.policies.caote import Caote, caote_scores, fast_caote_scores, normalise
 from refkv.policies.h2o import FIELD as H2O_FIELD
 from refkv.policies.h2o import H2O
@@ -51,7 +51,7 @@ def test_scores_by_hand_and_the_choice_they_change():
     assert np.argmin(BASE) == 1 and np.argmin(caote_scores(BASE, VALUES)) == 2
     for fast in (False, True):
         policy = Caote(base=_Fixed(BASE), fast=fast)
-        np.testing.assert_array_equal(policy.keep_indices(view, 2), [[0, 1]])
+        np.testing.assert_array_equal(policy.keep_indices(replace(view, keep=2)), [[0, 1]])
 
 
 def test_all_mass_on_one_token_is_kept():
@@ -127,9 +127,10 @@ def test_symmetries(seed, n, d, scale, fast):
 
 @dataclass(frozen=True)
 class _Fixed(Policy):
-    """Unregistered helper: fixed scores; ``nonnegative_scores`` undeclared."""
+    """Unregistered helper: fixed scores, declared non-negative (run time checks the claim)."""
 
     name = "_fixed"
+    nonnegative_scores = True
     scores: object = None
 
     def score(self, view):
@@ -138,8 +139,7 @@ class _Fixed(Policy):
 
 @dataclass(frozen=True)
 class _Signed(Policy):
-    name = "_signed"
-    nonnegative_scores = False
+    name = "_signed"          # nonnegative_scores undeclared: Policy's default, False
 
     def score(self, view):
         return -np.ones(view.positions.shape)
@@ -183,8 +183,19 @@ def test_signed_registered_bases_are_refused(name):
         Caote(base=name)
 
 
+def test_registry_declarations_decide_the_bases():
+    for name in available():
+        if name == "caote" or not policy_class(name).evicts:  # full: refused for never evicting
+            continue
+        if policy_class(name).nonnegative_scores:
+            assert Caote(base=name).base_policy.name == name
+        else:
+            with pytest.raises(ValueError, match="signed scores"):
+                Caote(base=name)
+
+
 def test_negative_scores_at_run_time():
-    policy = Caote(base=_Fixed(np.array([[0.5, -0.1, 0.2]])))      # undeclared sign: refused only when seen
+    policy = Caote(base=_Fixed(np.array([[0.5, -0.1, 0.2]])))      # a false declaration: refused when seen
     with pytest.raises(ValueError, match="negative"):
         policy.score(make_view(n=3, values=VALUES))
 

@@ -2,7 +2,7 @@
 
 import doctest
 import pathlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -25,8 +25,8 @@ class IdentityPlanes(HashEvict):
         return np.eye(self.n_bits, d, dtype=dtype)
 
 
-def view(keys, queries, *, budget, block_keys=None, layer=0, codes=None, policy=None):
-    """A pre-attention View: the cache holds ``keys`` (Hkv, n, d) at positions 0..n-1 and the
+def view(keys, queries, *, keep, block_keys=None, layer=0, codes=None, policy=None):
+    """A pre-attention View keeping ``keep = N - B``: the cache holds ``keys`` (Hkv, n, d) at positions 0..n-1 and the
     block of B = queries.shape[1] comes next. Codes default to the policy's hashes of the keys."""
     keys = np.asarray(keys, dtype=np.float64)
     queries = np.asarray(queries, dtype=np.float64)
@@ -40,7 +40,7 @@ def view(keys, queries, *, budget, block_keys=None, layer=0, codes=None, policy=
     return View(layer=layer, n_layers=4, keys=keys, values=np.zeros_like(keys), positions=positions,
                 fields={CODE_FIELD: codes}, queries=queries, query_positions=np.arange(n, n + b, dtype=np.int64),
                 block_keys=np.asarray(block_keys, dtype=np.float64), block_values=np.zeros((n_kv, b, d)),
-                budget=budget)
+                budget=None if keep is None else keep + b, keep=keep)
 
 
 # -- by hand ----------------------------------------------------------------------------------
@@ -58,14 +58,14 @@ def test_scores_and_eviction_by_hand():
     keys (1, 1) -> 11, (-1, -1) -> 00, (2, -3) -> 10, (-1, 1) -> 01: distances 1, 1, 0, 2."""
     policy = IdentityPlanes(n_bits=2, sink=0, recent=0)
     keys = [[[1.0, 1.0], [-1.0, -1.0], [2.0, -3.0], [-1.0, 1.0]]]
-    v = view(keys, [[[1.0, -1.0]]], budget=3, policy=policy)
+    v = view(keys, [[[1.0, -1.0]]], keep=3, policy=policy)
     np.testing.assert_array_equal(policy.score(v), [[-1.0, -1.0, 0.0, -2.0]])
-    np.testing.assert_array_equal(policy.keep_indices(v, 3), [[0, 1, 2]])       # evict (-1, 1)
+    np.testing.assert_array_equal(policy.keep_indices(v), [[0, 1, 2]])       # evict (-1, 1)
     # Budget 2: the tie at -1 between columns 0 and 1 keeps the more recent, column 1.
-    np.testing.assert_array_equal(policy.keep_indices(v, 2), [[1, 2]])
+    np.testing.assert_array_equal(policy.keep_indices(replace(v, keep=2)), [[1, 2]])
     # Key hashing (authors' code): the block's key (-1, -1) -> 00; distances 2, 0, 1, 1.
     key_policy = IdentityPlanes(n_bits=2, sink=0, recent=0, hash="key")
-    v = view(keys, [[[1.0, -1.0]]], budget=3, block_keys=[[[-1.0, -1.0]]], policy=key_policy)
+    v = view(keys, [[[1.0, -1.0]]], keep=3, block_keys=[[[-1.0, -1.0]]], policy=key_policy)
     np.testing.assert_array_equal(key_policy.score(v), [[-2.0, 0.0, -1.0, -1.0]])
 
 
@@ -76,7 +76,7 @@ def test_gqa_sums_the_group_and_blocks_combine_queries():
     policy = IdentityPlanes(n_bits=2, sink=0, recent=0)
     keys = [[[1.0, 1.0], [-1.0, -1.0]]]
     queries = [[[1.0, 1.0], [1.0, -1.0]], [[-1.0, 1.0], [-1.0, -1.0]]]
-    v = view(keys, queries, budget=1, policy=policy)
+    v = view(keys, queries, keep=1, policy=policy)
     # sum: key 11 -> 0 + 1 + 1 + 2 = 4; key 00 -> 2 + 1 + 1 + 0 = 4.
     np.testing.assert_array_equal(policy.score(v), [[-4.0, -4.0]])
     # last query of each head only: (1, -1) and (-1, -1): key 11 -> 1 + 2; key 00 -> 1 + 0.
@@ -95,7 +95,7 @@ def test_scores_match_unpacked_reference():
     for hash_input in ("query", "key"):
         for combine in ("sum", "last"):
             policy = HashEvict(n_bits=20, seed=5, hash=hash_input, block_query=combine)
-            v = view(keys, queries, budget=5, block_keys=block_keys, policy=policy)
+            v = view(keys, queries, keep=5, block_keys=block_keys, policy=policy)
             expected = np.zeros((2, 9))
             for h in range(2):
                 probes = queries[2 * h:2 * h + 2] if hash_input == "query" else block_keys[h:h + 1]
@@ -107,21 +107,21 @@ def test_scores_match_unpacked_reference():
 
 
 def test_protected_sink_and_recent_after_the_block():
-    v = view(np.zeros((1, 20, 2)), np.zeros((1, 3, 2)), budget=17)
+    v = view(np.zeros((1, 20, 2)), np.zeros((1, 3, 2)), keep=17)
     mask = HashEvict(sink=4, recent=10).protected(v)
     # recent 10 after appending the block of 3 = the block + the last 7 cached.
     np.testing.assert_array_equal(np.flatnonzero(mask[0]), [0, 1, 2, 3, *range(13, 20)])
-    v = view(np.zeros((1, 20, 2)), np.zeros((1, 12, 2)), budget=8)
+    v = view(np.zeros((1, 20, 2)), np.zeros((1, 12, 2)), keep=8)
     np.testing.assert_array_equal(np.flatnonzero(HashEvict(sink=4, recent=10).protected(v)[0]), [0, 1, 2, 3])
 
 
 def test_block_too_large_for_the_protected_tokens():
-    v = view(np.zeros((1, 20, 2)), np.zeros((1, 17, 2)), budget=3)
+    v = view(np.zeros((1, 20, 2)), np.zeros((1, 17, 2)), keep=3)
     with pytest.raises(ValueError, match="B <= N - sink"):
-        HashEvict(sink=4, recent=10).keep_indices(v, 3)
+        HashEvict(sink=4, recent=10).keep_indices(v)
     # Nothing protected: a block of B = N empties the cache.
-    v = view(np.zeros((1, 5, 2)), np.zeros((1, 8, 2)), budget=0)
-    assert HashEvict(sink=0, recent=0).keep_indices(v, 0).shape == (1, 0)
+    v = view(np.zeros((1, 5, 2)), np.zeros((1, 8, 2)), keep=0)
+    assert HashEvict(sink=0, recent=0).keep_indices(v).shape == (1, 0)
 
 
 def test_observe_hashes_the_block_keys_into_the_table():
@@ -145,8 +145,8 @@ def test_scores_invariant_to_positive_scaling(seed, factor):
     rng = np.random.default_rng(seed)
     keys, queries = rng.standard_normal((2, 7, 6)), rng.standard_normal((4, 2, 6))
     policy = HashEvict()
-    a = policy.score(view(keys, queries, budget=4))
-    b = policy.score(view(keys * factor, queries * factor, budget=4))
+    a = policy.score(view(keys, queries, keep=4))
+    b = policy.score(view(keys * factor, queries * factor, keep=4))
     np.testing.assert_array_equal(a, b)
 
 

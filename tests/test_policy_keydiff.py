@@ -3,6 +3,7 @@
 import doctest
 import math
 import pathlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -102,7 +103,7 @@ def test_zero_anchor_ties_keep_recent():
     keys = np.array([[[1.0, 0.0], [-1.0, 0.0], [0.0, 2.0], [0.0, -2.0]]])
     v = view(keys, budget=2)
     np.testing.assert_array_equal(KeyDiff().score(v), [[0.0, 0.0, 0.0, 0.0]])
-    np.testing.assert_array_equal(KeyDiff().keep_indices(v, 2), [[2, 3]])
+    np.testing.assert_array_equal(KeyDiff().keep_indices(replace(v, keep=2)), [[2, 3]])
 
 
 # -- invariants -------------------------------------------------------------------------------
@@ -148,7 +149,7 @@ def test_policy_keeps_top_scores_and_reserve(keys, budget, reserve):
     n = len(keys)
     v = view(keys[None], budget=budget)
     policy = KeyDiff(reserve=reserve)
-    kept = policy.keep_indices(v, budget)
+    kept = policy.keep_indices(replace(v, keep=budget))
     m = min(budget, n)
     assert kept.shape == (1, m)
     reserved = math.floor(reserve * budget)
@@ -159,7 +160,7 @@ def test_policy_keeps_top_scores_and_reserve(keys, budget, reserve):
     evicted = sorted(set(range(n)) - set(kept[0]))
     if free_kept and evicted:
         assert min(scores[free_kept]) >= max(scores[evicted])
-    np.testing.assert_array_equal(policy.keep_indices(v, budget), kept)  # deterministic
+    np.testing.assert_array_equal(policy.keep_indices(replace(v, keep=budget)), kept)  # deterministic
 
 
 def test_reserve_protects_recent_tokens_by_hand():
@@ -169,12 +170,12 @@ def test_reserve_protects_recent_tokens_by_hand():
     assert KeyDiff(reserve=0.5).reserved(4) == 2
     assert KeyDiff(reserve=0.74).reserved(4) == 2      # floor(2.96)
     np.testing.assert_array_equal(KeyDiff(reserve=0.5).protected(v), [[0, 0, 0, 0, 1, 1]])
-    kept = KeyDiff(reserve=0.5).keep_indices(v, 4)
+    kept = KeyDiff(reserve=0.5).keep_indices(replace(v, keep=4))
     scores = anchor_scores(keys[0])
     # The two free places go to the best two of columns 0..3.
     best_two = sorted(np.argsort(-scores[:4])[:2])
     np.testing.assert_array_equal(kept, [[*best_two, 4, 5]])
-    np.testing.assert_array_equal(KeyDiff().keep_indices(v, 4)[0][:2], [0, 1])
+    np.testing.assert_array_equal(KeyDiff().keep_indices(replace(v, keep=4))[0][:2], [0, 1])
 
 
 def test_anchor_uses_cache_and_block():

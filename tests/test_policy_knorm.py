@@ -2,6 +2,7 @@
 
 import doctest
 import pathlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -35,9 +36,9 @@ def test_keeps_low_norms_by_hand():
     # Norms 5, 1, 2, 1 (a tie between columns 1 and 3), 10.
     keys = np.array([[[3.0, 4.0], [0.0, 1.0], [2.0, 0.0], [1.0, 0.0], [6.0, 8.0]]])
     v = view(keys, budget=2)
-    np.testing.assert_array_equal(Knorm().keep_indices(v, 2), [[1, 3]])
-    np.testing.assert_array_equal(Knorm().keep_indices(v, 1), [[3]])        # the tie keeps the more recent
-    np.testing.assert_array_equal(Knorm().keep_indices(v, 3), [[1, 2, 3]])
+    np.testing.assert_array_equal(Knorm().keep_indices(replace(v, keep=2)), [[1, 3]])
+    np.testing.assert_array_equal(Knorm().keep_indices(replace(v, keep=1)), [[3]])  # the tie keeps the more recent
+    np.testing.assert_array_equal(Knorm().keep_indices(replace(v, keep=3)), [[1, 2, 3]])
     assert not Knorm().protected(v).any()
 
 
@@ -51,7 +52,7 @@ def test_keeps_the_lowest_norms(norms, budget, seed):
     rng = np.random.default_rng(seed)
     keys = np.zeros((len(norms), 5))
     keys[np.arange(len(norms)), rng.integers(0, 5, len(norms))] = norms * rng.choice([-1.0, 1.0], len(norms))
-    kept = Knorm().keep_indices(view(keys[None], budget=budget), budget)[0]
+    kept = Knorm().keep_indices(replace(view(keys[None], budget=budget), keep=budget))[0]
     order = sorted(range(len(norms)), key=lambda j: (norms[j], -j))
     np.testing.assert_array_equal(kept, sorted(order[:budget]))
 
@@ -70,7 +71,7 @@ def test_skipped_layers_fall_back_to_sink_and_window():
     keys = np.random.default_rng(0).standard_normal((2, 12, 4))
     policy = Knorm(skip_layers=(1,), skip_sink=2)
     skipped = view(keys, budget=6, layer=1)
-    np.testing.assert_array_equal(policy.keep_indices(skipped, 6), [[0, 1, 8, 9, 10, 11]] * 2)
+    np.testing.assert_array_equal(policy.keep_indices(replace(skipped, keep=6)), [[0, 1, 8, 9, 10, 11]] * 2)
     normal = view(keys, budget=6, layer=0)
     np.testing.assert_array_equal(policy.score(normal), key_norm_scores(keys))
 

@@ -16,8 +16,9 @@ from refkv.policies import View, get
 from refkv.policies.mat import LOGIT_FIELD, MAT, anchor_logits, closed_form_keep, default_beta, streaming_keep
 
 
-def view(pi, *, b, budget, layer=1, d=2, keys=None, queries=None):
-    """A pre-attention View over a cache with logits ``pi`` (Hkv, n); the block of ``b`` is not in it."""
+def view(pi, *, b, keep, layer=1, d=2, keys=None, queries=None):
+    """A pre-attention View over a cache with logits ``pi`` (Hkv, n) keeping ``keep = N - b``; the block
+    of ``b`` is not in it."""
     pi = np.asarray(pi, dtype=np.float64)
     n_kv, n = pi.shape
     keys = np.zeros((n_kv, n, d)) if keys is None else keys
@@ -25,7 +26,8 @@ def view(pi, *, b, budget, layer=1, d=2, keys=None, queries=None):
     positions = np.broadcast_to(np.arange(n, dtype=np.int64), (n_kv, n)).copy()
     return View(layer=layer, n_layers=4, keys=keys, values=np.zeros_like(keys), positions=positions,
                 fields={LOGIT_FIELD: pi}, queries=queries, query_positions=np.arange(n, n + b, dtype=np.int64),
-                block_keys=np.zeros((n_kv, b, d)), block_values=np.zeros((n_kv, b, d)), budget=budget)
+                block_keys=np.zeros((n_kv, b, d)), block_values=np.zeros((n_kv, b, d)), budget=keep + b,
+                keep=keep)
 
 
 # -- Eq. 3 ------------------------------------------------------------------------------------
@@ -142,9 +144,9 @@ def test_policy_in_blocks_equals_streaming(stream, data):
         stop = min(start + b, total)
         b = stop - start
         if kept_pos.shape[1] + b > budget:
-            v = view(pi[:, kept_pos[0]], b=b, budget=budget - b, layer=0)
+            v = view(pi[:, kept_pos[0]], b=b, keep=budget - b, layer=0)
             v = View(**{**v.__dict__, "positions": kept_pos, "query_positions": np.arange(start, stop)})
-            kept_pos = kept_pos[:, policy.keep_indices(v, budget - b)[0]]
+            kept_pos = kept_pos[:, policy.keep_indices(v)[0]]
         kept_pos = np.concatenate([kept_pos, np.arange(start, stop)[None]], axis=1)
         start = stop
         expected = streaming_keep(pi[0, :stop], np.arange(stop), budget, beta)
@@ -157,34 +159,34 @@ def test_deep_layer_view_by_hand():
     # Cache of 8 before a block of B = 2 with N = 8: evict to 6. beta = 3 -> window of N - beta = 5
     # after the block, i.e. the last 3 cached; 2 places left for the first token + 1 anchor.
     pi = [[0.0, 5.0, 1.0, 4.0, 2.0, 9.0, 9.0, 9.0]]
-    v = view(pi, b=2, budget=6)
+    v = view(pi, b=2, keep=6)
     policy = MAT(beta=3, shallow_layers=1)
     np.testing.assert_array_equal(policy.protected(v), [[1, 0, 0, 0, 0, 1, 1, 1]])
     np.testing.assert_array_equal(policy.score(v), -np.asarray(pi))
-    np.testing.assert_array_equal(policy.keep_indices(v, 6), [[0, 2, 4, 5, 6, 7]])
+    np.testing.assert_array_equal(policy.keep_indices(v), [[0, 2, 4, 5, 6, 7]])
 
 
 def test_shallow_layer_is_sink_and_window():
-    v = view(np.zeros((2, 10)), b=1, budget=7, layer=0)
-    np.testing.assert_array_equal(MAT(sink=2).keep_indices(v, 7), [[0, 1, 5, 6, 7, 8, 9]] * 2)
+    v = view(np.zeros((2, 10)), b=1, keep=7, layer=0)
+    np.testing.assert_array_equal(MAT(sink=2).keep_indices(v), [[0, 1, 5, 6, 7, 8, 9]] * 2)
 
 
 def test_large_block_shrinks_the_anchor_cache():
     # N = 8, beta = 2, B = 7 > N - beta: the block alone fills the window; 1 place = first token.
-    v = view(np.arange(8.0)[None], b=7, budget=1)
-    np.testing.assert_array_equal(MAT(beta=2, shallow_layers=0).keep_indices(v, 1), [[0]])
+    v = view(np.arange(8.0)[None], b=7, keep=1)
+    np.testing.assert_array_equal(MAT(beta=2, shallow_layers=0).keep_indices(v), [[0]])
     # N = 8, beta = 4, B = 5: 3 places, first token + 2 anchors (lowest pi 1, 2), no cached window.
-    v = view([[0.0, 7.0, 1.0, 6.0, 2.0, 5.0, 4.0, 3.0]], b=5, budget=3)
-    np.testing.assert_array_equal(MAT(beta=4, shallow_layers=0).keep_indices(v, 3), [[0, 2, 4]])
+    v = view([[0.0, 7.0, 1.0, 6.0, 2.0, 5.0, 4.0, 3.0]], b=5, keep=3)
+    np.testing.assert_array_equal(MAT(beta=4, shallow_layers=0).keep_indices(v), [[0, 2, 4]])
 
 
 def test_block_leaving_no_place_raises():
-    v = view(np.zeros((1, 8)), b=8, budget=0)
+    v = view(np.zeros((1, 8)), b=8, keep=0)
     with pytest.raises(ValueError, match="B <= N - 1"):
-        MAT(beta=2, shallow_layers=0).keep_indices(v, 0)
-    v = view(np.zeros((1, 8)), b=6, budget=2, layer=0)
+        MAT(beta=2, shallow_layers=0).keep_indices(v)
+    v = view(np.zeros((1, 8)), b=6, keep=2, layer=0)
     with pytest.raises(ValueError, match="sink"):
-        MAT(sink=4).keep_indices(v, 2)
+        MAT(sink=4).keep_indices(v)
 
 
 def test_observe_stores_group_mean_logit():

@@ -1,5 +1,7 @@
 """SnapKV: observation-window attention, pooled over the candidates; last w tokens protected."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -44,7 +46,7 @@ def test_window_sum_and_pooling_by_hand():
 ])
 def test_kept_by_hand(policy, budget, expected):
     view = make_view(ATTENTION, budget=budget)
-    np.testing.assert_array_equal(policy.keep_indices(view, budget), [expected])
+    np.testing.assert_array_equal(policy.keep_indices(replace(view, keep=budget)), [expected])
 
 
 def test_window_longer_than_the_block_uses_the_block():
@@ -55,7 +57,7 @@ def test_window_longer_than_the_block_uses_the_block():
     np.testing.assert_allclose(policy.score(view)[0], np.array([20, 26, 18, 14, 12, 18, 42, 18]) / 96,
                                rtol=1e-15, atol=0)
     np.testing.assert_array_equal(policy.protected(view)[0], [False] * 4 + [True] * 4)
-    np.testing.assert_array_equal(policy.keep_indices(view, 5), [[1, 4, 5, 6, 7]])
+    np.testing.assert_array_equal(policy.keep_indices(replace(view, keep=5)), [[1, 4, 5, 6, 7]])
 
 
 def test_pool1d_padding_rule_by_hand():
@@ -104,7 +106,7 @@ def test_scores_against_a_direct_computation(seed, n, b, window, kernel, pooling
     np.testing.assert_allclose(scores, expected, rtol=1e-12, atol=1e-15)
     protected = policy.protected(view)
     assert protected[:, -window:].all() and not protected[:, :-window].any()
-    np.testing.assert_array_equal(policy.keep_indices(view, budget),
+    np.testing.assert_array_equal(policy.keep_indices(replace(view, keep=budget)),
                                   reference_keep(scores, view.positions, budget, protected))
 
 

@@ -112,7 +112,7 @@ def test_views_are_decidable_and_consistent(name):
         assert view.values.shape == (hkv, n, d) and view.positions.shape == (hkv, n)
         assert (np.diff(view.positions, axis=1) > 0).all()
         assert view.queries.shape[1:] == (b, d) and view.block_keys.shape == (hkv, b, d)
-        assert policy.keep_indices(view, view.budget).shape == (hkv, min(view.budget, n))
+        assert policy.keep_indices(view).shape == (hkv, min(view.keep, n))
         if policy.evict_before_attention:
             assert view.attention is None and view.positions.max(initial=-1) < view.query_positions[0]
         else:

@@ -1,7 +1,7 @@
 """CAOTE's theorems (caote.txt: Thm 3.1, Thm 3.2, Thm B.1, App. B.2, Eq. 22) as property tests.
 
 The closed forms come from the policy (:mod:`refkv.policies.caote`, :mod:`refkv.policies.h2o`);
-the quantities they claim to equal are recomputed by :mod:`refkv.theory` (attention over the
+the quantities they claim to equal are recomputed by :mod:`refkv.theory.caote` (attention over the
 cache without token ``j``) or, in the near-degenerate cases, by 50-digit arithmetic (mpmath).
 See docs/theory/caote.rst for the statements, verdicts and precision findings.
 """
@@ -17,7 +17,7 @@ from refkv.engine import Engine
 from refkv.model import Model, ModelConfig, random_weights
 from refkv.policies.caote import caote_scores, fast_caote_scores, normalise
 from refkv.policies.h2o import FIELD, accumulated_attention
-from refkv.theory import attention_after_eviction, attention_only_logits, eviction_errors
+from refkv.theory.caote import attention_after_eviction, attention_only_logits, eviction_errors
 
 EPS64 = float(np.finfo(np.float64).eps)
 EPS32 = float(np.finfo(np.float32).eps)

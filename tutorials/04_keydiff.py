@@ -153,7 +153,7 @@ print(f"ratio on the strongest head: {ratio.min():.4f} .. {ratio.max():.4f}"
 #
 # Now evict to :math:`N = 64` of the 220-odd tokens in one shot (:math:`B = T`). With one
 # shot the keys of every layer are those we recorded, whatever the policy, so we can ask
-# each policy directly: ``policy.keep_indices(view, N)`` is exactly the call the engine
+# each policy directly: ``policy.keep_indices(view)`` with ``view.keep = N`` is the call the engine
 # makes. Then project the keys of one head onto their two main principal components
 # (KeyDiff Fig. 4) and colour what each policy keeps. The head, layer 20's first, was
 # picked by eye among a few dozen because it shows the contrast clearly; the statistic
@@ -164,7 +164,7 @@ policies = {name: refkv.policies.get(name) for name in ("sink", "tova", "keydiff
 
 
 def kept_by(policy, view):
-    return policy.keep_indices(replace(view, budget=N), N)
+    return policy.keep_indices(replace(view, budget=N, keep=N))
 
 
 LAYER, HEAD = 20, 0

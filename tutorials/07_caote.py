@@ -27,7 +27,7 @@ from matplotlib.colors import LogNorm
 
 import refkv
 from refkv.policies.caote import caote_scores, fast_caote_scores, normalise
-from refkv.theory import eviction_errors
+from refkv.theory.caote import eviction_errors
 
 rng = np.random.default_rng(7)
 
@@ -61,7 +61,7 @@ print("alpha      " + " ".join(f"{a:6.3f}" for a in alpha))
 print("brute e_j  " + " ".join(f"{e:6.3f}" for e in brute))
 print("CAOTE c_j  " + " ".join(f"{c:6.3f}" for c in closed))
 print("largest |c - e| =", np.abs(closed - brute).max())
-print("refkv.theory.eviction_errors agrees:", np.allclose(eviction_errors(logits, values), brute, rtol=1e-12))
+print("refkv.theory.caote.eviction_errors agrees:", np.allclose(eviction_errors(logits, values), brute, rtol=1e-12))
 
 # %%
 # The closed form is the brute force, to rounding. Now compare the two choices of whom to

@@ -63,19 +63,20 @@ from pathlib import Path
 
 import numpy as np
 
-from ..attention import attend, attention_weights
-from ..engine import Engine
+from ..attention import attend
 from ..policies import View
 from .common import (
     FAST_CAOTE,
     cached_capture,
-    canonical_spec,
     default_policies,
     format_spec_label,
+    grid_axes,
+    layer_attention,
     load_model,
     make_policy,
     mean_std,
-    policy_error,
+    policy_cells,
+    prefill_or_skip,
     prose_tokens,
     write_csv,
 )
@@ -139,7 +140,7 @@ def one_shot_view(policy, layer: int, config, capture, weights, budget: int) -> 
               for name, spec in policy.fields(config).items()}
     view = View(layer=layer, n_layers=config.n_layers, keys=k, values=v, positions=positions, fields=fields,
                 queries=q, query_positions=positions[0].copy(), block_keys=k, block_values=v,
-                attention=weights if "attention" in policy.needs else None, budget=budget)
+                attention=weights if "attention" in policy.needs else None, budget=budget, config=config)
     return replace(view, fields={**fields, **policy.observe(view)})
 
 
@@ -190,22 +191,15 @@ def cells(settings: Settings) -> list[dict]:
         policies, budgets, blocks = default_policies(FAST_CAOTE), [256], [128]
         if not real:
             err_length, budgets = 512, [128]
-    policies = [canonical_spec(p) for p in (settings.policies or policies)]
-    budgets = list(settings.budgets or budgets)
-    blocks = list(settings.blocks or blocks)
+    policies, budgets, blocks = grid_axes(settings, policies, budgets, blocks)
     base = {"model": model, "dtype": settings.dtype, "seed": settings.seed}
     out = []
     for segment in segments:
         out.append({**base, "kind": "alr", "length": alr_length, "segment": segment, "lsh_bits": 16,
                     "rankings": ["l2", "lsh", *[p for p in policies if p != "full"]]})
     for segment in segments[:2]:
-        for policy in policies:
-            if policy == "full":
-                continue
-            for budget in budgets:
-                for block in blocks:
-                    out.append({**base, "kind": "output_error", "length": err_length, "continuation": extra,
-                                "segment": segment, "policy": policy, "budget": budget, "block": block})
+        out += policy_cells({**base, "kind": "output_error", "length": err_length, "continuation": extra,
+                             "segment": segment}, policies, budgets, blocks)
     return out
 
 
@@ -225,16 +219,13 @@ def run_cell(params: dict) -> dict:
 
 
 def _run_alr(params: dict) -> dict:
-    model, _ = load_model(params["model"], params["dtype"])
-    config = model.config
-    layers, _ = cached_capture(params["model"], params["dtype"], params["length"], params["segment"])
+    model, layers = layer_attention(params)
     t = params["length"]
     half = t // 2
-    positions = np.broadcast_to(np.arange(t, dtype=np.int64), (config.n_kv_heads, t))
+    positions = np.broadcast_to(np.arange(t, dtype=np.int64), (model.config.n_kv_heads, t))  # (Hkv, T)
     results: dict[str, dict] = {name: {"alr": [], "loss50": []} for name in params["rankings"]}
     ideal_loss = []
-    for layer, cap in enumerate(layers):
-        weights = attention_weights(cap.q, cap.k, positions[0], positions)  # (Hkv, g, T, T)
+    for layer, cap, weights in layers:  # weights (Hkv, g, T, T)
         abar = attention_received(weights.mean(axis=1)).astype(np.float64)
         ideal_loss.append(np.sort(abar, axis=1)[:, :t - half].sum(axis=1).tolist())
         for name in params["rankings"]:
@@ -264,7 +255,7 @@ def _ranking(name, params, model, layer, cap, weights, half):
         policy.check(half, model.config)
         view = one_shot_view(policy, layer, model.config, cap, weights, half)
         scores = np.asarray(policy.score(view), dtype=np.float64)
-        return scores, policy.keep_indices(view, half)
+        return scores, policy.keep_indices(view)
     from ..policies import select
 
     return scores, select(scores, positions, half)
@@ -273,17 +264,11 @@ def _ranking(name, params, model, layer, cap, weights, half):
 def _run_output_error(params: dict) -> dict:
     model, _ = load_model(params["model"], params["dtype"])
     t, extra = params["length"], params["continuation"]
-    budget, block = params["budget"], params["block"]
-    reason = policy_error(params["policy"], budget, block, model.config)
-    if reason is not None:
-        return {"skipped": reason}
-    layers, _ = cached_capture(params["model"], params["dtype"], t + extra, params["segment"])
     tokens = prose_tokens(params["model"], params["dtype"], t + extra, params["segment"])[:t]
-    engine = Engine(model, make_policy(params["policy"]), budget)
-    try:
-        engine.prefill(tokens, block)
-    except ValueError as err:  # a block / budget combination the policy refuses mid-run
-        return {"skipped": str(err)}
+    engine, _, skipped = prefill_or_skip(params, model, tokens)
+    if skipped is not None:
+        return {"skipped": skipped}
+    layers, _ = cached_capture(params["model"], params["dtype"], t + extra, params["segment"])
     errors, lost = [], []
     for cap, cache in zip(layers, engine.caches):
         e, m = output_error(cap, cache.positions, t)

@@ -4,8 +4,9 @@ Notes
 -----
 **Policy specs.** A policy is named on the command line and in the records by a *spec*:
 ``name`` or ``name:param=value,param=value`` (values are Python literals, or plain words
-taken as strings), e.g. ``caote:base=h2o,fast=True``. :func:`canonical_spec` puts the
-parameters in sorted order so one policy has one spec (and one cell key).
+taken as strings), e.g. ``caote:base=h2o,fast=True``, read by :mod:`refkv.policies.spec`.
+:func:`canonical_spec` puts the parameters in sorted order so one policy has one spec (and
+one cell key).
 
 **Dense captures.** :func:`dense_capture` runs the model with no cache limit and keeps
 every layer's RoPE'd queries, keys and values. It is the same computation as
@@ -20,7 +21,6 @@ length ``T`` is tokens ``[s T, (s + 1) T)`` of that stream, so segments never ov
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import csv
 import io
@@ -34,6 +34,7 @@ import numpy as np
 
 from .. import policies
 from ..attention import attend
+from ..policies.spec import canonical_spec, make_policy, parse_spec
 
 __all__ = [
     "LayerCapture",
@@ -41,22 +42,22 @@ __all__ = [
     "canonical_spec",
     "default_policies",
     "dense_capture",
+    "evicting_policies",
     "format_spec_label",
+    "grid_axes",
+    "layer_attention",
     "load_model",
     "make_policy",
     "parse_spec",
+    "policy_cells",
+    "policy_error",
+    "prefill_or_skip",
     "prose_tokens",
     "write_csv",
 ]
 
-# The seeds' policies and the baselines they compare against, in the order tables list
-# them. Specs of policies not registered in this refkv are left out.
-EVICTING_POLICIES = ("sink", "tova", "h2o", "snapkv", "scissorhands", "knorm", "keydiff", "hashevict", "mat",
-                     "caote:base=h2o", "caote:base=tova", "caote:base=snapkv")
-_LABELS = {"sink": "sink (StreamingLLM)", "tova": "TOVA", "h2o": "H2O", "snapkv": "SnapKV",
-           "scissorhands": "Scissorhands", "knorm": "L2 norm (knorm)", "keydiff": "KeyDiff",
-           "hashevict": "HashEvict", "mat": "MAT", "full": "no eviction"}
-FAST_CAOTE = ("caote:base=h2o,fast=True", "caote:base=tova,fast=True", "caote:base=snapkv,fast=True")
+#: The CAOTE variants of the default list with FastCAOTE (Eq. 22) instead.
+FAST_CAOTE = tuple(f"{spec},fast=True" for spec in policies.policy_class("caote").experiment_specs)
 
 # Characters of prose every supported CPython's pydoc topics hold (3.11 has ~154,000).
 _ALL_PROSE = 120_000
@@ -76,110 +77,81 @@ def load_model(name: str, dtype: str):
     return _MODELS[key]
 
 
-# -- policy specs --------------------------------------------------------------------------
-def _split_top_level(text: str, sep: str = ",") -> list[str]:
-    """Split on ``sep`` outside brackets and quotes (so dict/tuple values may hold commas)."""
-    parts, depth, quote, start = [], 0, "", 0
-    for i, ch in enumerate(text):
-        if quote:
-            if ch == quote:
-                quote = ""
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == sep and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return parts
-
-
-def parse_spec(spec: str) -> tuple[str, dict]:
-    """``"name:a=1,b=x"`` -> ``("name", {"a": 1, "b": "x"})``.
-
-    Raises
-    ------
-    ValueError
-        If the name is not a registered policy or a parameter is not ``name=value``.
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"policy spec must be a non-empty string like 'sink' or 'caote:base=h2o', got {spec!r}")
-    name, _, rest = spec.strip().partition(":")
-    policies.policy_class(name)  # ValueError naming the available policies
-    params = {}
-    if rest.strip():
-        for item in _split_top_level(rest):
-            key, sep, raw = item.partition("=")
-            key = key.strip()
-            if not sep or not key.isidentifier():
-                raise ValueError(f"policy spec {spec!r}: parameters must look like name=value, got {item!r}")
-            try:
-                params[key] = ast.literal_eval(raw.strip())
-            except (ValueError, SyntaxError):
-                params[key] = raw.strip()
-    return name, params
-
-
-def _format_value(value) -> str:
-    if isinstance(value, str) and value.isidentifier() and value not in ("True", "False", "None"):
-        return value
-    return repr(value)
-
-
-def canonical_spec(spec: str) -> str:
-    """The spec with parameters sorted and values in a fixed form (one spec per policy)."""
-    name, params = parse_spec(spec)
-    if not params:
-        return name
-    return name + ":" + ",".join(f"{k}={_format_value(params[k])}" for k in sorted(params))
-
-
-def make_policy(spec: str) -> policies.Policy:
-    """Construct the policy a spec names."""
-    name, params = parse_spec(spec)
-    return policies.get(name, **params)
-
-
+# -- policy specs (parsed by refkv.policies.spec) -------------------------------------------
 def format_spec_label(spec: str) -> str:
-    """A short human label: ``caote:base=h2o`` -> ``H2O+CAOTE``; other specs unchanged."""
+    """A short human label: a policy's ``label`` (``keydiff`` -> ``KeyDiff``), ``caote:base=h2o`` ->
+    ``H2O+CAOTE``; specs with other parameters unchanged."""
     name, params = parse_spec(spec)
     if name == "caote" and set(params) <= {"base", "fast"}:
         base = str(params.get("base", "h2o"))
-        upper = {"h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV"}.get(base, base)
+        upper = (policies.policy_class(base).label or base) if base in policies.available() else base
         return f"{upper}+{'Fast' if params.get('fast') else ''}CAOTE"
-    return _LABELS.get(spec, spec)
+    return (policies.policy_class(name).label or name) if spec == name else spec
+
+
+def evicting_policies() -> list[str]:
+    """The default specs of every evicting policy, in ``table_order``: each class's
+    ``experiment_specs``, or its name."""
+    classes = sorted((policies.policy_class(name) for name in policies.available()),
+                     key=lambda cls: (cls.table_order, cls.name))
+    return [spec for cls in classes if cls.evicts for spec in (cls.experiment_specs or (cls.name,))]
 
 
 def default_policies(extra: tuple[str, ...] = (), *, caote: bool = True) -> list[str]:
-    """The default evicting policies that this refkv registers (canonical specs).
+    """The default evicting policies (canonical specs), then ``extra``.
 
     ``caote=False`` leaves out the CAOTE variants of the default list (``extra`` is kept).
     """
-    out = []
-    base = EVICTING_POLICIES if caote else tuple(p for p in EVICTING_POLICIES if not p.startswith("caote"))
-    for spec in dict.fromkeys((*base, *extra)):
-        try:
-            out.append(canonical_spec(spec))
-        except ValueError:
-            continue  # a policy module not (yet) present
-    return out
+    base = [spec for spec in evicting_policies() if caote or not spec.startswith("caote")]
+    return [canonical_spec(spec) for spec in dict.fromkeys((*base, *extra))]
 
 
 def policy_error(spec: str, budget, block, config) -> str | None:
-    """Why ``spec`` cannot run with this budget and block size, or None if it can."""
+    """Why ``spec`` cannot run with this budget and block size, or None if it can.
+
+    The policy answers: ``check`` for the budget, ``max_block`` for the block (a policy
+    that evicts before attention must fit the block beside what it keeps).
+    """
     try:
         policy = make_policy(spec)
         if budget is not None:
             policy.check(budget, config)
-            if policy.evict_before_attention and (block is None or block > budget):
-                return (f"{spec} evicts before attention (per-token policy), so a block must fit in the "
-                        f"budget: B={block} > N={budget}")
+            limit = policy.max_block(budget, config)
+            if limit is not None and (block is None or block > limit):
+                whole = "the whole prompt" if block is None else str(block)
+                return (f"{spec} evicts before attention, so a block must fit beside what it keeps: "
+                        f"B must be <= {limit} with N={budget}, got B={whole}")
     except ValueError as err:
         return str(err)
     return None
+
+
+def prefill_or_skip(params: dict, model, tokens, *, on_block=None):
+    """Run a cell's policy (``params["policy"]``, ``"budget"``, ``"block"``) over ``tokens``.
+
+    Returns ``(engine, logits, None)`` (the last token's logits), or ``(None, None, reason)``
+    when the policy cannot run this cell: refused up front (:func:`policy_error`) or by the
+    engine mid-run. ``on_block(start, logits)`` is called after each block with all its
+    logits (B, vocab) when given (perplexity reads every token's).
+    """
+    spec, budget, block = params["policy"], params["budget"], params["block"]
+    reason = policy_error(spec, budget, block, model.config)
+    if reason is not None:
+        return None, None, reason
+    from ..engine import Engine, blocks
+
+    engine = Engine(model, make_policy(spec), budget)
+    logits, start = None, 0
+    try:
+        for chunk in blocks(model.check_tokens(tokens), block):
+            logits = engine.forward(chunk, all_logits=on_block is not None)
+            if on_block is not None:
+                on_block(start, logits)
+                logits = logits[-1]
+            start += len(chunk)
+    except ValueError as err:  # a block / budget combination the policy refuses mid-run
+        return None, None, str(err)
+    return engine, logits, None
 
 
 # -- text ----------------------------------------------------------------------------------
@@ -247,6 +219,42 @@ def cached_capture(model_name: str, dtype: str, length: int, segment: int):
         _CAPTURES.clear()
         _CAPTURES[key] = dense_capture(model, prose_tokens(model_name, dtype, length, segment))
     return _CAPTURES[key]
+
+
+def layer_attention(params: dict):
+    """A cell's model and, layer by layer, its dense capture and causal attention weights.
+
+    Reads ``params["model"]``, ``"dtype"``, ``"length"`` (``T``) and ``"segment"``. Returns
+    ``(model, layers)`` where ``layers`` yields ``(layer, capture, weights)`` with ``weights``
+    the (Hkv, g, T, T) attention of every query over the prompt, formed one layer at a time.
+    """
+    from ..attention import attention_weights
+
+    model, _ = load_model(params["model"], params["dtype"])
+    captures, _ = cached_capture(params["model"], params["dtype"], params["length"], params["segment"])
+    positions = np.arange(params["length"], dtype=np.int64)  # (T,)
+    kv_positions = np.broadcast_to(positions, (model.config.n_kv_heads, len(positions)))  # (Hkv, T)
+
+    def each():
+        for layer, cap in enumerate(captures):
+            yield layer, cap, attention_weights(cap.q, cap.k, positions, kv_positions)  # (Hkv, g, T, T)
+
+    return model, each()
+
+
+# -- grids ---------------------------------------------------------------------------------
+def grid_axes(settings, policies, budgets, blocks) -> tuple[list[str], list, list]:
+    """The grid's policies (canonical specs), budgets and block sizes: the user's settings
+    where given, else these defaults."""
+    return ([canonical_spec(p) for p in (settings.policies or policies)], list(settings.budgets or budgets),
+            list(settings.blocks or blocks))
+
+
+def policy_cells(base: dict, policies, budgets, blocks) -> list[dict]:
+    """One cell per evicting policy x budget x block size (``full`` left out), each ``base`` plus
+    ``policy``, ``budget`` and ``block``."""
+    return [{**base, "policy": policy, "budget": budget, "block": block}
+            for policy in policies if policy != "full" for budget in budgets for block in blocks]
 
 
 # -- tables --------------------------------------------------------------------------------

@@ -47,16 +47,16 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import pearsonr, spearmanr
 
-from ..attention import attention_weights
-from ..engine import Engine
 from .common import (
     cached_capture,
-    canonical_spec,
     default_policies,
+    grid_axes,
+    layer_attention,
     load_model,
-    make_policy,
     mean_std,
-    policy_error,
+    policy_cells,
+    prefill_or_skip,
+    prose_tokens,
     write_csv,
 )
 from .runner import Experiment, Settings, register_experiment
@@ -159,22 +159,15 @@ def cells(settings: Settings) -> list[dict]:
         policies, budgets, blocks, projections = default_policies(), [256], [128], 4
         if not real:
             ret_length, budgets = 512, [128]
-    policies = [canonical_spec(p) for p in (settings.policies or policies)]
-    budgets = list(settings.budgets or budgets)
-    blocks = list(settings.blocks or blocks)
+    policies, budgets, blocks = grid_axes(settings, policies, budgets, blocks)
     out = []
     for segment in segments:
         out.append({**base, "kind": "cosine", "length": dense_length, "segment": segment})
         out.append({**base, "kind": "hamming", "length": dense_length, "segment": segment, "bits": list(BITS),
                     "projections": projections})
     for segment in segments[:2]:
-        for policy in policies:
-            if policy == "full":
-                continue
-            for budget in budgets:
-                for block in blocks:
-                    out.append({**base, "kind": "retention", "length": ret_length, "segment": segment,
-                                "policy": policy, "budget": budget, "block": block})
+        out += policy_cells({**base, "kind": "retention", "length": ret_length, "segment": segment},
+                            policies, budgets, blocks)
     return out
 
 
@@ -203,16 +196,12 @@ def run_cell(params: dict) -> dict:
 
 
 def _run_cosine(params: dict) -> dict:
-    model, _ = load_model(params["model"], params["dtype"])
-    layers, _ = cached_capture(params["model"], params["dtype"], params["length"], params["segment"])
-    t = params["length"]
-    positions = np.arange(t, dtype=np.int64)
-    kv_positions = np.broadcast_to(positions, (model.config.n_kv_heads, t))
+    model, layers = layer_attention(params)
     pairwise, anchor, low_norm = [], [], []
     plot_layer, plot_head = _plot_head(model.config)
     picture = None
-    for layer, cap in enumerate(layers):
-        received = _received_visible(attention_weights(cap.q, cap.k, positions, kv_positions).mean(axis=1))
+    for layer, cap, weights in layers:
+        received = _received_visible(weights.mean(axis=1))  # (Hkv, T, T) -> (Hkv, T)
         neg_cos = -mean_pairwise_cosine(cap.k)
         unit = _unit(cap.k)
         anchor_score = -(unit @ _unit(unit.mean(axis=1))[:, :, None])[..., 0]
@@ -230,18 +219,10 @@ def _run_cosine(params: dict) -> dict:
 
 def _run_retention(params: dict) -> dict:
     model, _ = load_model(params["model"], params["dtype"])
-    budget, block = params["budget"], params["block"]
-    reason = policy_error(params["policy"], budget, block, model.config)
-    if reason is not None:
-        return {"skipped": reason}
-    from .common import prose_tokens
-
     tokens = prose_tokens(params["model"], params["dtype"], params["length"], params["segment"])
-    engine = Engine(model, make_policy(params["policy"]), budget)
-    try:
-        engine.prefill(tokens, block)
-    except ValueError as err:  # a block / budget combination the policy refuses mid-run
-        return {"skipped": str(err)}
+    engine, _, skipped = prefill_or_skip(params, model, tokens)
+    if skipped is not None:
+        return {"skipped": skipped}
     volume, spread = [], []
     for cache in engine.caches:
         volume.append([log_volume(cache.keys[h]) for h in range(cache.n_kv_heads)])
@@ -259,15 +240,10 @@ def _run_retention(params: dict) -> dict:
 
 
 def _run_hamming(params: dict) -> dict:
-    model, _ = load_model(params["model"], params["dtype"])
-    layers, _ = cached_capture(params["model"], params["dtype"], params["length"], params["segment"])
-    t = params["length"]
-    positions = np.arange(t, dtype=np.int64)
-    kv_positions = np.broadcast_to(positions, (model.config.n_kv_heads, t))
+    _, layers = layer_attention(params)
     seeds = range(params["seed"], params["seed"] + params["projections"])
     out = {str(bits): [] for bits in params["bits"]}
-    for cap in layers:
-        weights = attention_weights(cap.q, cap.k, positions, kv_positions)
+    for _, cap, weights in layers:
         for bits in params["bits"]:
             out[str(bits)].append(hamming_correlation(cap.q, cap.k, weights, bits, seeds).tolist())
     return {"pearson": out}

@@ -49,7 +49,8 @@ from pathlib import Path
 import numpy as np
 
 from ..engine import Engine
-from .common import canonical_spec, default_policies, load_model, make_policy, mean_std, policy_error, write_csv
+from ..validation import check_float, check_int
+from .common import canonical_spec, default_policies, load_model, mean_std, prefill_or_skip, write_csv
 from .runner import Experiment, Settings, register_experiment
 
 __all__ = ["EXPERIMENT", "build_prompt", "cells", "run_cell", "summarise"]
@@ -118,10 +119,8 @@ def build_prompt(tokenizer, length: int, depth: float, key: int, *, template: st
     seed : int
         Seed of the varied filler.
     """
-    if isinstance(length, bool) or not isinstance(length, int) or length < 64:
-        raise ValueError(f"length must be an integer >= 64, got {length!r}")
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    check_int("length", length, 64)
+    check_float("depth", depth, 0.0, 1.0)
     if not 10000 <= key <= 99999:
         raise ValueError(f"key must have five digits, got {key!r}")
     if needle not in NEEDLES:
@@ -200,16 +199,9 @@ def run_cell(params: dict) -> dict:
                                      template=params["template"], filler=params["filler"],
                                      needle=params["needle"], seed=params["seed"])
     base = {"key": key, "prompt_tokens": len(tokens), "needle_position": needle_at}
-    budget, block = params["budget"], params["block"]
-    if params["policy"] != "full":
-        reason = policy_error(params["policy"], budget, block, model.config)
-        if reason is not None:
-            return {**base, "skipped": reason}
-    engine = Engine(model, make_policy(params["policy"]), budget)
-    try:
-        logits = engine.prefill(tokens, block)
-    except ValueError as err:  # a block / budget combination the policy refuses mid-run
-        return {**base, "skipped": str(err)}
+    engine, logits, skipped = prefill_or_skip(params, model, tokens)
+    if skipped is not None:
+        return {**base, "skipped": skipped}
     kept = _needle_retention(engine, needle_at, 4)
     answer = engine.generate(logits, params["max_new_tokens"], eos=getattr(tokenizer, "stop_ids", ()))
     text = tokenizer.decode(answer)

@@ -39,16 +39,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engine import Engine, blocks
 from .common import (
     FAST_CAOTE,
-    canonical_spec,
     default_policies,
     format_spec_label,
+    grid_axes,
     load_model,
-    make_policy,
     mean_std,
-    policy_error,
+    prefill_or_skip,
     prose_tokens,
     write_csv,
 )
@@ -80,9 +78,7 @@ def cells(settings: Settings) -> list[dict]:
         length, segments = (1024 if real else 512), (0, 1)
         policies, budgets, blocks_ = default_policies(FAST_CAOTE), [128, 256], [32]
     default_grid = not (settings.quick or settings.policies or settings.budgets or settings.blocks)
-    policies = [canonical_spec(p) for p in (settings.policies or policies)]
-    budgets = list(settings.budgets or budgets)
-    blocks_ = list(settings.blocks or blocks_)
+    policies, budgets, blocks_ = grid_axes(settings, policies, budgets, blocks_)
     out = []
     for segment in segments:
         base = {"model": model, "dtype": settings.dtype, "seed": settings.seed, "text": "pydoc_prose",
@@ -113,24 +109,17 @@ def run_cell(params: dict) -> dict:
     """Stream the text through the engine; the NLL of every token under eviction."""
     model, _ = load_model(params["model"], params["dtype"])
     tokens = prose_tokens(params["model"], params["dtype"], params["length"], params["segment"])
-    budget, block = params["budget"], params["block"]
-    if params["policy"] != "full":
-        reason = policy_error(params["policy"], budget, block, model.config)
-        if reason is not None:
-            return {"skipped": reason}
-    engine = Engine(model, make_policy(params["policy"]), budget)
     nll = np.empty(len(tokens) - 1)
-    start = 0
-    for chunk in blocks(tokens, block):
-        try:
-            logits = engine.forward(chunk, all_logits=True)
-        except ValueError as err:  # a block / budget combination the policy refuses mid-run
-            return {"skipped": str(err)}
-        stop = start + len(chunk)
+
+    def score_block(start: int, logits: np.ndarray) -> None:
         # logits[i] predicts token start + i + 1; the last token predicts nothing.
-        targets = tokens[start + 1:stop + 1]
+        targets = tokens[start + 1:start + len(logits) + 1]
         nll[start:start + len(targets)] = token_nll(logits[:len(targets)], targets)
-        start = stop
+
+    engine, _, skipped = prefill_or_skip(params, model, tokens, on_block=score_block)
+    if skipped is not None:
+        return {"skipped": skipped}
+    budget = params["budget"]
     first_evicted = budget if budget is not None else len(tokens)
     # nll[i] is the loss of token i + 1, predicted at position i.
     evicted = nll[first_evicted:] if first_evicted < len(nll) else np.empty(0)

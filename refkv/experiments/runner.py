@@ -52,6 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..validation import check_choice, check_int
+
 __all__ = [
     "Experiment",
     "Progress",
@@ -102,14 +104,12 @@ class Settings:
     seed: int = 0
 
     def __post_init__(self):
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
+        check_choice("dtype", self.dtype, ("float32", "float64"))
         for name in ("budgets", "blocks"):
             for value in getattr(self, name) or ():
-                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                    raise ValueError(f"{name} must be integers >= 1 or None, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+                if value is not None:
+                    check_int(name, value, 1)  # or None
+        check_int("seed", self.seed, 0)
         if self.policies is not None:
             check_policy_specs(self.policies)
 
@@ -129,7 +129,7 @@ def check_policy_specs(specs, option: str = "policies") -> None:
         Naming ``option`` and the spec: an unknown policy or parameter, a value out of
         range, or the same policy listed twice (after canonicalisation).
     """
-    from .common import canonical_spec, make_policy
+    from ..policies.spec import canonical_spec, make_policy
 
     if isinstance(specs, str) or not all(isinstance(spec, str) for spec in specs):
         raise ValueError(f"{option} must be a sequence of policy specs (str), got {specs!r}")
@@ -548,8 +548,7 @@ def run(experiments: Iterable[Experiment] | Experiment, settings: Settings | Non
         experiments = [experiments]
     experiments = list(experiments)
     settings = settings or Settings()
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
+    check_int("jobs", jobs, 1)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out must be a folder, but {out} exists and is not one")

@@ -13,9 +13,9 @@ registers its own does not change the suite), and a new policy is picked up by t
 ``refkv golden generate``. Cases a policy refuses -- a budget its protected set does not
 fit, a block larger than the budget of a policy that evicts before attention (so
 HashEvict and MAT have no one-shot cases) -- are skipped through the policy's own
-ValueError and listed in ``suite.json`` under ``skipped``; nothing here names a policy
-except :data:`VARIANTS`, extra parameter sets that widen the coverage of policies that
-have options.
+ValueError and listed in ``suite.json`` under ``skipped``; nothing here names a policy:
+:data:`VARIANTS`, the extra parameter sets that widen the coverage of policies with
+options, are the policy classes' ``variants``.
 
 Two regimes are covered (a case's ``mode``): **one-shot** (the whole prompt is one block:
 full square causal attention over all ``T`` tokens, then one eviction to ``N``; what
@@ -66,21 +66,12 @@ __all__ = ["BUDGETS", "E2E_MODELS", "E2E_SETTINGS", "ONESHOT_SETTINGS", "RECIPES
 #: ``check`` accepts (small budgets make small files).
 BUDGETS = (6, 8, 12, 16, 24, 40)
 
-#: Extra parameter sets per policy (beyond the defaults), with a reduced set of recipes.
+#: Extra parameter sets per policy (beyond the defaults), with a reduced set of recipes: each
+#: policy class's ``variants``.
 #: A set a policy rejects (ValueError/TypeError) is skipped and listed.
 VARIANTS: dict[str, list[dict]] = {
-    "keydiff": [{"anchor": "pairwise"}, {"anchor": "mean"}, {"anchor": "median"}, {"metric": "dot"},
-                {"metric": "euclidean"}, {"reserve": 0.25}],
-    "caote": [{"fast": True}, {"base": "tova"}, {"base": "snapkv", "base_params": {"window": 4, "kernel": 3}}],
-    "hashevict": [{"hash": "key"}, {"block_query": "last"}],
-    "snapkv": [{"window": 4, "kernel": 3}, {"window": 4, "kernel": 3, "pooling": "max"}],
-    "scissorhands": [{"history": 6, "sink": 1, "recent": 2}],
-    "h2o": [{"recent": 2}],
-    "knorm": [{"skip_layers": (0, 3)}],
-    "mat": [{"beta": 2}],
-    "sink": [{"sink": 1}],
-    "tova": [{"all_heads": True}],
-}
+    name: [dict(v) for v in policy_registry.policy_class(name).variants]
+    for name in policy_registry.available() if policy_registry.policy_class(name).variants}
 
 
 @dataclass(frozen=True)

@@ -177,8 +177,8 @@ def replay(policy: Policy, tokens: Tokens, *, block_size: int | None = None, bud
     -------
     View
         The view the engine passes to ``policy.keep_indices`` at the last block, with
-        ``view.budget`` the number of tokens that eviction keeps (``N``, or ``N - B``
-        before attention). If the last block needs no eviction the view is the one the
+        ``view.budget = N`` and ``view.keep`` the number of tokens that eviction keeps
+        (``N``, or ``N - B`` before attention). If the last block needs no eviction the view is the one the
         engine would have used had it evicted.
 
     Raises
@@ -211,14 +211,14 @@ def replay(policy: Policy, tokens: Tokens, *, block_size: int | None = None, bud
         decided = decision_view(view, keep)
         if int(view.query_positions[0]) == last_start:
             raise _Captured(decided)  # the last block's decision is the caller's to make
-        cache.keep(policy.keep_indices(decided, keep))
+        cache.keep(policy.keep_indices(decided))
 
     for start in range(0, t, block_size):
         stop = min(start + block_size, t)
         q, k, v = tokens.queries[:, start:stop], tokens.keys[:, start:stop], tokens.values[:, start:stop]
         try:
             layer_step(policy, cache, q, k, v, layer=layer, n_layers=n_layers, budget=budget, evict=evict,
-                       evict_always=stop == t)
+                       evict_always=stop == t, config=config)
         except _Captured as captured:
             return captured.view
     raise AssertionError("the last block always reaches its eviction")  # evict_always=True

@@ -30,7 +30,7 @@ from .schema import (
     header,
     require,
 )
-from .synthetic import max_abs_logit
+from .synthetic import config_for, max_abs_logit
 
 __all__ = [
     "DEFAULT_TOLERANCE",
@@ -134,7 +134,7 @@ def case_flags(view: View, scores: np.ndarray, protected: np.ndarray, kept: np.n
 def _outputs(policy: Policy, view: View) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     scores = np.asarray(policy.score(view))
     protected = np.asarray(policy.protected(view), dtype=bool)
-    kept = np.asarray(policy.keep_indices(view, view.budget), dtype=np.int64)
+    kept = np.asarray(policy.keep_indices(view), dtype=np.int64)
     return scores, protected, kept
 
 
@@ -144,7 +144,7 @@ def _rebuilt(view: View, stored: set[str], stage: str, b: int) -> View:
               for name in ("positions", "query_positions", *sorted(stored))}
     fields = {name: decode_array(encode_array(a), name) for name, a in view.fields.items()}
     case = VectorCase(id=0, comment="", flags=(), params={}, dtype=view.keys.dtype.name, stage=stage,
-                      layer=view.layer, n_layers=view.n_layers, budget=view.budget,
+                      layer=view.layer, n_layers=view.n_layers, budget=view.keep,
                       sizes={"n_heads": view.queries.shape[0], "n_kv_heads": view.n_kv_heads,
                              "d_head": view.keys.shape[2], "n": view.n, "block": b},
                       tolerance={}, inputs=inputs, fields=fields, outputs={})
@@ -165,7 +165,7 @@ def case_mode(view: View, stage: str) -> str:
 
 def encode_case(policy: Policy, view: View, *, case_id: int, comment: str, extra_flags=(),
                 tolerance: dict | None = None, mode: str | None = None) -> dict:
-    """One JSON case from an eviction view; ``view.budget`` is the number of tokens kept.
+    """One JSON case from an eviction view; the case's ``budget`` is ``view.keep``, the tokens kept.
 
     Parameters
     ----------
@@ -194,8 +194,8 @@ def encode_case(policy: Policy, view: View, *, case_id: int, comment: str, extra
         view = replay(policy, tokens, budget=16)  # block_size=None: one-shot
         case = encode_case(policy, view, case_id=1, comment="one-shot TOVA, T=24, N=16")
     """
-    if view.budget is None:
-        raise ValueError("view.budget must be the number of tokens the eviction keeps, got None")
+    if view.keep is None:
+        raise ValueError("view.keep must be the number of tokens the eviction keeps, got None")
     full = _outputs(policy, view)
     scores, protected, kept = full
     b = len(view.query_positions)
@@ -245,7 +245,7 @@ def encode_case(policy: Policy, view: View, *, case_id: int, comment: str, extra
         "mode": mode,
         "layer": view.layer,
         "n_layers": view.n_layers,
-        "budget": int(view.budget),
+        "budget": int(view.keep),
         "sizes": {"n_heads": view.queries.shape[0], "n_kv_heads": view.n_kv_heads, "d_head": view.keys.shape[2],
                   "n": view.n, "block": b},
         "tolerance": {"rtol": float(tolerance["rtol"]), "atol": float(tolerance["atol"])},
@@ -402,7 +402,8 @@ class VectorCase:
                     positions=self.inputs["positions"], fields=dict(self.fields),
                     queries=get("queries", (s["n_heads"], b, d)), query_positions=self.inputs["query_positions"],
                     block_keys=block_keys, block_values=block_values, attention=self.inputs.get("attention"),
-                    budget=self.budget)
+                    budget=self.budget + (b if self.stage == "before-attention" else 0), keep=self.budget,
+                    config=config_for(s["n_heads"], hkv, d, self.n_layers))
 
     @property
     def label(self) -> str:

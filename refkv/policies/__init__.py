@@ -8,6 +8,7 @@ Sink(sink=4)
 # Importing a policy module registers its policies; one line per module.
 from . import (  # noqa: F401
     caote,
+    expected_attention,
     full,
     h2o,
     hashevict,

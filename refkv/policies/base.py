@@ -1,16 +1,22 @@
 """The policy protocol, the one selection routine every policy uses, and the registry.
 
 A policy is a small frozen dataclass of parameters plus pure functions of a
-:class:`View` (what the engine shows it at eviction time):
+:class:`View` (what the engine shows it at eviction time). Every attribute and method
+of the protocol is declared on :class:`Policy`, with its default; a new policy sets
+the class attributes and overrides ``score`` (and whatever else it needs):
 
 * ``needs``: the signals it reads, from ``{"keys", "values", "queries", "attention",
   "positions"}``. The engine materialises attention weights only if ``"attention"`` is
   in it.
 * ``score(view) -> (Hkv, n)``: higher means keep.
 * ``protected(view) -> (Hkv, n) bool``: tokens that must stay (sinks, recent window).
+* ``keep_indices(view) -> (Hkv, view.keep)``: the tokens kept; :func:`select` of the two
+  above (not overridden by the policies here).
 * ``fields(config)`` and ``observe(view) -> {name: array}``: per-token state kept in
   the cache (see :mod:`refkv.cache`), updated after every attention call.
 * ``check(budget, config)``: raise ValueError if the protected set cannot fit.
+* ``max_block(budget, config)``: the largest block a policy that evicts before
+  attention can take.
 
 Conventions shared by every policy (decided once, here):
 
@@ -76,8 +82,13 @@ class View:
         Attention weights of the block's queries over ``keys``; ``None`` unless the
         policy needs ``"attention"`` and eviction is after attention.
     budget : int or None
-        Tokens this eviction keeps per head: ``N``, or ``N - B`` when evicting before
-        attention; ``None`` when the engine has no budget.
+        ``N``, the engine's budget per layer and KV head, always (``None``: no budget).
+    keep : int or None
+        Tokens this eviction keeps per head: ``N`` after attention, ``N - B`` when
+        evicting before attention (so the block of ``B`` fits). Defaults to ``budget``.
+    config : ModelConfig or None
+        The model's configuration (RoPE base, head width, layer count), for policies
+        that need a model fact; ``None`` in views not made from a model.
     """
 
     layer: int
@@ -92,6 +103,12 @@ class View:
     block_values: np.ndarray
     attention: np.ndarray | None = None
     budget: int | None = None
+    keep: int | None = None
+    config: ModelConfig | None = None
+
+    def __post_init__(self):
+        if self.keep is None:
+            object.__setattr__(self, "keep", self.budget)
 
     @property
     def n(self) -> int:
@@ -133,16 +150,51 @@ class Policy:
         Where the policy comes from.
     needs : frozenset of str
         Subset of :data:`SIGNALS`.
+    label : str
+        How tables and plots name it (default: ``name``).
+    citation, score_rule, protects, implements : str
+        One line each for the generated policy tables (:mod:`refkv.policies.catalog`): the
+        paper in short, what the score is, what is protected (reST), and what of the paper
+        is implemented (the README).
     evict_before_attention : bool
         If true, the engine evicts from the cache *before* the block attends, down to
-        ``N - B`` tokens, so the block attends to at most ``N`` (HashEvict's Algorithm 1).
+        ``N - B`` tokens (``view.keep``), so the block attends to at most ``N``
+        (HashEvict's Algorithm 1).
+    nonnegative_scores : bool
+        True if ``score`` never returns a negative value, so the scores can be
+        normalised into weights (CAOTE refuses a base that does not declare it).
+    evicts : bool
+        False for the no-eviction baseline only; experiments compare the others.
+    experiment_specs : tuple of str
+        The policy specs (:mod:`refkv.policies.spec`) the experiments run by default
+        (empty: the policy's name alone, if it evicts).
+    table_order : int
+        Where tables and the experiments list it (smaller first, then by name).
+    variants : tuple of dict
+        Extra parameter sets, beyond the defaults, that the golden suite covers.
+
+    Methods
+    -------
+    check(budget, config), max_block(budget, config), fields(config), observe(view),
+    score(view), protected(view), keep_indices(view), params(), describe()
+        See each method; only ``score`` has no default.
     """
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     paper: ClassVar[str] = ""
+    label: ClassVar[str] = ""
+    citation: ClassVar[str] = ""
+    score_rule: ClassVar[str] = ""
+    protects: ClassVar[str] = "--"
+    implements: ClassVar[str] = ""
     needs: ClassVar[frozenset] = frozenset()
     evict_before_attention: ClassVar[bool] = False
+    nonnegative_scores: ClassVar[bool] = False
+    evicts: ClassVar[bool] = True
+    experiment_specs: ClassVar[tuple[str, ...]] = ()
+    table_order: ClassVar[int] = 1000
+    variants: ClassVar[tuple[dict, ...]] = ()
 
     # -- the protocol ----------------------------------------------------------------
     def check(self, budget: int, config: ModelConfig) -> None:
@@ -174,9 +226,10 @@ class Policy:
         """(Hkv, n) bool mask of tokens that must stay (default: none)."""
         return np.zeros(view.positions.shape, dtype=bool)
 
-    def keep_indices(self, view: View, budget: int) -> np.ndarray:
-        """The tokens to keep: :func:`select` of this policy's scores and protected set."""
-        return select(self.score(view), view.positions, budget, self.protected(view))
+    def keep_indices(self, view: View) -> np.ndarray:
+        """The ``view.keep`` tokens to keep per head: :func:`select` of this policy's scores
+        and protected set, (Hkv, min(view.keep, n)) column indices."""
+        return select(self.score(view), view.positions, view.keep, self.protected(view))
 
     # -- description -----------------------------------------------------------------
     def params(self) -> dict:
@@ -203,7 +256,8 @@ def select(scores: np.ndarray, positions: np.ndarray, budget: int,
     positions : (Hkv, n) int array
         Positions of the tokens (the tie-breaker).
     budget : int
-        Tokens to keep per head, ``>= 1``.
+        Tokens to keep per head, ``>= 0`` (0 empties the cache: a block of ``B = N``
+        evicted before attention).
     protected : (Hkv, n) bool array, optional
         Tokens that must be kept; there must be at most ``budget`` per head.
 
@@ -214,8 +268,7 @@ def select(scores: np.ndarray, positions: np.ndarray, budget: int,
     scores = np.asarray(scores)
     if scores.shape != positions.shape:
         raise ValueError(f"scores must have shape {positions.shape} (like positions), got {scores.shape}")
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
-        raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+    check_int("budget", budget, 0)
     if np.isnan(scores).any():
         raise ValueError("scores contain NaN; a policy must return comparable scores")
     if protected is None:

@@ -26,14 +26,10 @@ import numpy as np
 
 from ..cache import FieldSpec
 from ..model.config import ModelConfig
-from .base import Policy, View, get, register
+from .base import Policy, View, available, get, policy_class, register
 from .full import Full
 
-__all__ = ["SIGNED_POLICIES", "Caote", "caote_scores", "fast_caote_scores", "normalise"]
-
-#: Registered policies known to return negative scores, refused as CAOTE bases at
-#: construction (a policy class can say so itself with ``nonnegative_scores = False``).
-SIGNED_POLICIES = frozenset({"keydiff", "knorm", "hashevict", "mat"})
+__all__ = ["Caote", "caote_scores", "fast_caote_scores", "normalise"]
 
 
 def normalise(base_scores: np.ndarray) -> np.ndarray:
@@ -149,10 +145,11 @@ def _build_base(base, base_params) -> Policy:
         # without one CAOTE has nothing to score. Refused here, where the user named it.
         raise ValueError("caote: base='full' never evicts (it protects every token), so there is nothing for "
                          "CAOTE to score; choose an evicting base such as h2o, tova, snapkv or scissorhands")
-    declared = getattr(type(policy), "nonnegative_scores", None)
-    if declared is False or (declared is None and policy.name in SIGNED_POLICIES):
-        raise ValueError(f"base={policy.name!r} has signed scores; CAOTE needs non-negative base scores "
-                         "(e.g. h2o, tova, snapkv, scissorhands)")
+    if not policy.nonnegative_scores:
+        allowed = ", ".join(name for name in available() if name != "caote" and policy_class(name).evicts
+                            and policy_class(name).nonnegative_scores)
+        raise ValueError(f"base={policy.name!r} has signed scores (it does not declare nonnegative_scores); "
+                         f"CAOTE needs non-negative base scores: one of {allowed}")
     return policy
 
 
@@ -170,9 +167,9 @@ class Caote(Policy):
     ----------
     base : str or Policy, default "h2o"
         The base policy: a registered name (built with ``base_params``) or a policy
-        object. Its scores must be non-negative: bases known to be signed (KeyDiff, L2/Knorm,
-        HashEvict, MAT, or any class with ``nonnegative_scores = False``) are refused
-        here, and negative scores met at run time raise :class:`ValueError`.
+        object. Its class must declare ``nonnegative_scores = True`` (H2O, TOVA, SnapKV,
+        Scissorhands, sink, full); signed ones (KeyDiff, L2/Knorm, HashEvict, MAT) are
+        refused here, and negative scores met at run time raise :class:`ValueError`.
     fast : bool, default False
         FastCAOTE (Eq. 22): the mean of the values instead of :math:`V a`.
     base_params : dict, optional
@@ -198,6 +195,15 @@ class Caote(Policy):
     name = "caote"
     summary = "CAOTE/FastCAOTE meta-policy: attention-output error of evicting each token, over a base policy"
     paper = "CAOTE, Eqs. 8, 19-22 (base: h2o by default; fast=True for FastCAOTE)"
+    label = "CAOTE"
+    citation = "CAOTE (Goel et al. 2025), meta-policy"
+    score_rule = "attention-output change if evicted, Eq. 8, over a base's scores"
+    protects = "the base's"
+    implements = "CAOTE: Eqs. 8, 19-22 as a meta-policy over any non-negative score; FastCAOTE"
+    table_order = 100
+    experiment_specs = ("caote:base=h2o", "caote:base=tova", "caote:base=snapkv")
+    variants = ({"fast": True}, {"base": "tova"},
+                {"base": "snapkv", "base_params": {"window": 4, "kernel": 3}})
     needs = frozenset({"attention", "values"})
     nonnegative_scores = True
 

@@ -24,6 +24,14 @@ class Full(Policy):
     name = "full"
     summary = "never evict; the no-eviction baseline"
     paper = "-"
+    label = "no eviction"
+    citation = "no eviction (baseline)"
+    score_rule = "--"
+    protects = "everything"
+    implements = "no eviction (baseline)"
+    table_order = 0
+    evicts = False
+    nonnegative_scores = True
 
     def score(self, view: View) -> np.ndarray:
         return np.zeros(view.positions.shape)

@@ -85,6 +85,13 @@ class H2O(Policy):
     name = "h2o"
     summary = "H2O: accumulated attention (heavy hitters) + last r tokens (r = N // 2)"
     paper = "Zhang et al. 2023, H2O; phi = A_prev + A^T 1 (KeyDiff App. A.1)"
+    label = "H2O"
+    citation = "H2O (Zhang et al. 2023)"
+    score_rule = "attention accumulated over all queries so far"
+    protects = "last :math:`N/2`"
+    implements = "H2O (Zhang et al. 2023): accumulated attention + recent window"
+    table_order = 30
+    variants = ({"recent": 2},)
     needs = frozenset({"attention"})
     #: Scores are sums of attention weights, >= 0 (CAOTE may wrap this policy).
     nonnegative_scores = True
@@ -114,4 +121,4 @@ class H2O(Policy):
         return view.fields[FIELD]
 
     def protected(self, view: View) -> np.ndarray:
-        return recent_tokens(view, self.recent_window(view.budget))
+        return recent_tokens(view, self.recent_window(view.keep))

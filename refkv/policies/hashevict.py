@@ -108,6 +108,14 @@ class HashEvict(Policy):
     name = "hashevict"
     summary = "HashEvict: SimHash Hamming distance of query and keys, evict before attention; attention-free"
     paper = "Liu et al. 2024, HashEvict, Algorithm 1, Eqs. 2-6; c = 16, first 4 + last 10 kept"
+    label = "HashEvict"
+    citation = "HashEvict (Liu et al. 2024)"
+    score_rule = ":math:`-` Hamming distance of SimHash codes of query and key, :math:`c = 16`"
+    protects = "first 4, last 10"
+    implements = ("HashEvict: Algorithm 1, Eqs. 2-6, SimHash codes as cache state (refkv/lsh.py), eviction before "
+                  "attention; query or key hashing")
+    table_order = 80
+    variants = ({"hash": "key"}, {"block_query": "last"})
     needs = frozenset({"keys", "queries", "positions"})
     evict_before_attention = True
 
@@ -184,14 +192,8 @@ class HashEvict(Policy):
     def protected(self, view: View) -> np.ndarray:
         b = len(view.query_positions)
         mask = first_tokens(view, self.sink) | recent_tokens(view, max(self.recent - b, 0))
-        if view.budget is not None and mask.sum(axis=1).max(initial=0) > view.budget:
-            raise ValueError(f"a block of B={b} leaves N - B = {view.budget} cache places, fewer than the "
+        if view.keep is not None and mask.sum(axis=1).max(initial=0) > view.keep:
+            raise ValueError(f"a block of B={b} leaves N - B = {view.keep} cache places, fewer than the "
                              f"{int(mask.sum(axis=1).max())} protected tokens (sink={self.sink}, recent="
                              f"{self.recent}); use B <= N - sink - max(recent - B, 0)")
         return mask
-
-    def keep_indices(self, view: View, budget: int) -> np.ndarray:
-        # A block of B = N leaves no cache place; without protected tokens the cache empties.
-        if budget == 0 and not self.protected(view).any():
-            return np.zeros((view.n_kv_heads, 0), dtype=np.int64)
-        return super().keep_indices(view, budget)

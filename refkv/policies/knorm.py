@@ -63,6 +63,13 @@ class Knorm(Policy):
     name = "knorm"
     summary = "L2 norm: keep the keys of lowest L2 norm; attention-free"
     paper = "Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"
+    label = "L2 norm (knorm)"
+    citation = "L2 norm (Devoto et al. 2024)"
+    score_rule = r":math:`-\lVert k_i\rVert`"
+    protects = "--"
+    implements = "L2 norm (Devoto et al. 2024), optional skipped layers"
+    table_order = 60
+    variants = ({"skip_layers": (0, 3)},)
     needs = frozenset({"keys", "positions"})
 
     skip_layers: tuple = ()
@@ -97,5 +104,5 @@ class Knorm(Policy):
 
     def protected(self, view: View) -> np.ndarray:
         if self.skipped(view.layer):
-            return first_tokens(view, self.skip_sink) | recent_tokens(view, view.budget - self.skip_sink)
+            return first_tokens(view, self.skip_sink) | recent_tokens(view, view.keep - self.skip_sink)
         return np.zeros(view.positions.shape, dtype=bool)

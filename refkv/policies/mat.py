@@ -203,6 +203,14 @@ class MAT(Policy):
     name = "mat"
     summary = "MAT: deep layers keep first token + window + tokens of lowest logit to the first key"
     paper = "MAT (Managing Anchor Tokens), Algorithm 1, Eqs. 3-5; L_s = 2, beta = N // 4, s = 4"
+    label = "MAT"
+    citation = "MAT (anchor tokens)"
+    score_rule = r"deep layers: :math:`-q_i\cdot k_0/\sqrt d`; shallow: recency"
+    protects = "first token + last :math:`N - N/4` (deep); first 4 + window (shallow)"
+    implements = ("MAT: Algorithm 1, Eqs. 3-5, deep/shallow layers; closed form and the literal streaming argmax, "
+                  "proven equal by a test")
+    table_order = 90
+    variants = ({"beta": 2},)
     needs = frozenset({"keys", "queries", "positions"})
     evict_before_attention = True
 
@@ -266,26 +274,16 @@ class MAT(Policy):
         return view.positions.astype(np.float64)
 
     def protected(self, view: View) -> np.ndarray:
-        budget = view.budget
-        if budget < 1:
+        keep = view.keep
+        if keep < 1:
             raise ValueError(f"a block of B={len(view.query_positions)} leaves no cache place for mat's first "
                              "token; use B <= N - 1")
         if self.deep(view.layer):
             # The window after the block is appended is the last N - β tokens; at this
-            # eviction (budget N - B) that is the last N - β - B cached ones.
-            beta = self.anchor_size(self.budget_of(view))
-            return first_tokens(view, 1) | recent_tokens(view, max(budget - beta, 0))
-        if budget < self.sink:
-            raise ValueError(f"a block of B={len(view.query_positions)} leaves N - B = {budget} cache places, "
+            # eviction (keeping N - B) that is the last N - β - B cached ones.
+            beta = self.anchor_size(view.budget)
+            return first_tokens(view, 1) | recent_tokens(view, max(keep - beta, 0))
+        if keep < self.sink:
+            raise ValueError(f"a block of B={len(view.query_positions)} leaves N - B = {keep} cache places, "
                              f"fewer than mat's sink={self.sink} tokens of a shallow layer; use B <= N - sink")
-        return first_tokens(view, self.sink) | recent_tokens(view, budget - self.sink)
-
-    @staticmethod
-    def budget_of(view: View) -> int:
-        """``N``, recovered from this eviction's budget ``N - B`` (before attention)."""
-        return view.budget + len(view.query_positions)
-
-    def keep_indices(self, view: View, budget: int) -> np.ndarray:
-        if budget < 1:
-            self.protected(view)  # raises with the reason
-        return super().keep_indices(view, budget)
+        return first_tokens(view, self.sink) | recent_tokens(view, keep - self.sink)

@@ -32,6 +32,14 @@ class Sink(Policy):
     name = "sink"
     summary = "StreamingLLM: first s tokens (attention sinks) + recent window"
     paper = "Xiao et al. 2024, StreamingLLM; default s = 4 (KeyDiff App. B.2)"
+    label = "sink (StreamingLLM)"
+    citation = "StreamingLLM (Xiao et al. 2024)"
+    score_rule = "recency"
+    protects = "first :math:`s = 4`, last :math:`N - s`"
+    implements = "StreamingLLM (Xiao et al. 2024): first 4 tokens + recent window"
+    table_order = 10
+    variants = ({"sink": 1},)
+    nonnegative_scores = True
     needs = frozenset({"positions"})
 
     sink: int = 4
@@ -47,4 +55,4 @@ class Sink(Policy):
         return view.positions.astype(np.float64)
 
     def protected(self, view: View) -> np.ndarray:
-        return first_tokens(view, self.sink) | recent_tokens(view, view.budget - self.sink)
+        return first_tokens(view, self.sink) | recent_tokens(view, view.keep - self.sink)

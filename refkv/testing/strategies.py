@@ -21,8 +21,8 @@ Example::
     @given(kvst.views(policies.get("keydiff")))
     def test_my_keydiff_matches(view):
         policy = policies.get("keydiff")
-        kept = my_keydiff_keep(view.keys, view.budget)
-        assert_same_retention(kept, policy.keep_indices(view, view.budget), policy.score(view),
+        kept = my_keydiff_keep(view.keys, view.keep)
+        assert_same_retention(kept, policy.keep_indices(view), policy.score(view),
                               positions=view.positions, rtol=1e-5, atol=1e-6)
 """
 
@@ -216,7 +216,7 @@ def views(draw, policy: Policy, *, layout=None, dtype=None, adversarial=None, la
     The cache is processed in blocks through one layer exactly as the engine does
     (evict before attention if the policy does, append, attend, observe, evict), so the
     view's per-token state is what the policy itself accumulated. ``view.budget`` is
-    the number of tokens that eviction keeps. Budgets the policy refuses are never
+    ``N`` and ``view.keep`` the number of tokens that eviction keeps. Budgets the policy refuses are never
     drawn; views it refuses to decide on (a block that leaves too few places for its
     protected tokens; ``full`` with more tokens than the budget) are rejected.
     """
@@ -230,7 +230,7 @@ def views(draw, policy: Policy, *, layout=None, dtype=None, adversarial=None, la
     lyr = draw(st.integers(0, n_layers - 1)) if layer is None else layer
     try:
         view = replay(policy, cache.tokens, block_size=b, budget=n, layer=lyr, n_layers=n_layers)
-        policy.keep_indices(view, view.budget)  # the policy can decide on it
+        policy.keep_indices(view)  # the policy can decide on it
     except ValueError:
         assume(False)
     return view

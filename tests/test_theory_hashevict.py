@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from refkv.lsh import gaussian_planes, hamming, hamming_unpacked, pack_codes, simhash, unpack_codes
-from refkv.theory import angle_fraction, bernstein_radius, hamming_fraction_moments, hoeffding_radius
+from refkv.theory.hashevict import angle_fraction, bernstein_radius, hamming_fraction_moments, hoeffding_radius
 
 #: Failure probability allowed per checked pair (union bound over <= 100 pairs: < 1e-9).
 DELTA = 1e-11
@@ -153,9 +153,9 @@ def test_packed_hamming_equals_unpacked_count(codes, data):
 
 @pytest.mark.parametrize("call, message", [
     (lambda: hoeffding_radius(0, 0.1), "n must be an integer >= 1"),
-    (lambda: hoeffding_radius(10, 1.0), r"delta must be in \(0, 1\)"),
-    (lambda: bernstein_radius(10, 0.1, -1.0, 1.0), "variance must be a finite number >= 0"),
-    (lambda: hamming_fraction_moments(1.5, 4), r"p must be in \[0, 1\]"),
+    (lambda: hoeffding_radius(10, 1.0), r"delta must be a finite number in \(0, 1\)"),
+    (lambda: bernstein_radius(10, 0.1, -1.0, 1.0), r"variance must be a finite number in \[0, inf\)"),
+    (lambda: hamming_fraction_moments(1.5, 4), r"p must be a finite number in \[0, 1\]"),
     (lambda: angle_fraction([0.0, 0.0], [1.0, 0.0]), "must be non-zero"),
 ])
 def test_statistics_helpers_reject_bad_input(call, message):

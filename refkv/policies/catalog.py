@@ -1,0 +1,130 @@
+"""The policy tables of the documentation, generated from the registry.
+
+The README's table and the one of ``docs/policies/index.rst`` are written from each policy
+class's ``citation``, ``score_rule``, ``protects``, ``implements``, ``needs`` and
+``evict_before_attention``, in ``table_order``: a new policy appears in both by itself.
+``python -m refkv.policies.catalog`` rewrites them in place (atomically);
+``tests/test_policies_common.py`` fails while the files and the registry disagree.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+from .base import Policy, available, policy_class
+
+__all__ = ["docs_table", "ordered_classes", "readme_table", "replace_block", "update_files"]
+
+#: The first line of the docs table's directive; the block it opens is the table.
+DOCS_TABLE_HEAD = ".. list-table:: Policies at a glance (scores: higher = keep)"
+#: The README heading under which the first simple table is the policy table.
+README_HEADING = "What is implemented, against the papers"
+
+
+def ordered_classes() -> list[type[Policy]]:
+    """Registered policy classes whose code is in refkv, in ``table_order`` (then name)."""
+    classes = [policy_class(name) for name in available()]
+    ours = [cls for cls in classes if cls.__module__.startswith("refkv.")]
+    return sorted(ours, key=lambda cls: (cls.table_order, cls.name))
+
+
+def _evicts(cls: type[Policy]) -> str:
+    if not cls.evicts:
+        return "never"
+    return "before" if cls.evict_before_attention else "after"
+
+
+def docs_table(pages: Path) -> str:
+    """The reST list-table of ``docs/policies/index.rst``; ``pages`` is that folder (a policy with
+    a page ``NAME.rst`` there is linked to it)."""
+    lines = [DOCS_TABLE_HEAD, "   :header-rows: 1", "   :widths: 12 22 30 18 9 9", ""]
+    header = ["policy", "paper", "score", "protected", "reads attention", "evicts"]
+    rows = [header]
+    for cls in ordered_classes():
+        link = f":doc:`{cls.name}`" if (pages / f"{cls.name}.rst").exists() else f"``{cls.name}``"
+        rows.append([link, cls.citation or cls.paper, cls.score_rule or "--", cls.protects,
+                     "yes" if "attention" in cls.needs else "no", _evicts(cls)])
+    for row in rows:
+        lines.append(f"   * - {row[0]}")
+        lines.extend(f"     - {cell}" for cell in row[1:])
+    return "\n".join(lines) + "\n"
+
+
+def readme_table() -> str:
+    """The README's simple table: policy, what is implemented, module."""
+    width = 45
+    rows = [(cls.name, textwrap.wrap(cls.implements or cls.summary, width),
+             f"``{cls.__module__.replace('.', '/')}.py``") for cls in ordered_classes()]
+    w0 = max(len("policy"), *(len(r[0]) for r in rows)) + 2
+    w2 = max(len("module"), *(len(r[2]) for r in rows))
+    border = f"{'=' * (w0 - 2)}  {'=' * width}  {'=' * w2}"
+    lines = [border, f"{'policy':{w0}}{'paper, what is implemented':{width}}  module", border]
+    for name, text, module in rows:
+        lines.append(f"{name:{w0}}{text[0]:{width}}  {module}".rstrip())
+        lines.extend(f"{'':{w0}}{more}".rstrip() for more in text[1:])
+    lines.append(border)
+    return "\n".join(lines) + "\n"
+
+
+def _block_span(text: str, start: int) -> int:
+    """End of the reST block that starts at ``start``: the first non-indented line after it."""
+    pos = text.index("\n", start) + 1
+    while pos < len(text):
+        end = text.find("\n", pos)
+        end = len(text) if end < 0 else end + 1
+        line = text[pos:end]
+        if line.strip() and not line.startswith(" "):
+            break
+        pos = end
+    return pos
+
+
+def replace_block(text: str, which: str, table: str) -> str:
+    """``text`` (index.rst for ``which="docs"``, the README for ``"readme"``) with its table replaced."""
+    if which == "docs":
+        start = text.index(DOCS_TABLE_HEAD)
+        return text[:start] + table + "\n" + text[_block_span(text, start):]
+    start = text.index("=", text.index(README_HEADING) + 2 * len(README_HEADING) + 2)
+    borders, pos = 0, start
+    while borders < 3:
+        end = text.index("\n", pos) + 1
+        borders += text[pos:end].startswith("=")
+        pos = end
+    return text[:start] + table + text[pos:]
+
+
+def _write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def update_files(root: Path, *, write: bool = True) -> list[Path]:
+    """Rewrite the two tables under the repository ``root``; the files that were (or would be) changed."""
+    changed = []
+    pages = root / "docs" / "policies"
+    for path, which, table in ((root / "README.rst", "readme", readme_table()),
+                               (pages / "index.rst", "docs", docs_table(pages))):
+        old = path.read_text(encoding="utf-8")
+        new = replace_block(old, which, table)
+        if new != old:
+            changed.append(path)
+            if write:
+                _write(path, new)
+    return changed
+
+
+if __name__ == "__main__":  # python -m refkv.policies.catalog [ROOT]
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path.cwd()
+    for path in update_files(root):
+        print(f"rewrote the policy table of {path}")

@@ -1,0 +1,104 @@
+"""Policy specs: the one parser of policy names with parameters.
+
+A policy is named in text two ways, and both are read here:
+
+* a **spec**, ``name`` or ``name:param=value,param=value`` (experiments, records, tables),
+  e.g. ``caote:base=h2o,fast=True``;
+* the command line's ``--policy NAME --param param=value ...``.
+
+Values are Python literals read with :func:`ast.literal_eval` (numbers, strings, tuples,
+lists, dicts, booleans, None), so nothing is executed; anything else is taken as a plain
+string (``base=h2o``). Commas inside brackets or quotes do not split parameters, so a dict
+value may hold several entries: ``caote:base=snapkv,base_params={'window': 8, 'kernel': 3}``.
+:func:`canonical_spec` sorts the parameters so that one policy has one spec.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from .base import Policy, get, policy_class
+
+__all__ = ["canonical_spec", "make_policy", "parse_params", "parse_spec", "parse_value"]
+
+
+def parse_value(raw: str):
+    """A parameter value: a Python literal, or else the stripped text as a string."""
+    text = raw.strip()
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _assignment(item: str, where: str) -> tuple[str, object]:
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key.isidentifier():
+        raise ValueError(f"{where} must look like name=value, got {item!r}")
+    return key, parse_value(raw)
+
+
+def parse_params(items: list[str] | None) -> dict:
+    """``["key=value", ...]`` (repeated ``--param``) -> ``{key: value}``."""
+    return dict(_assignment(item, "--param") for item in items or [])
+
+
+def _split_top_level(text: str, sep: str = ",") -> list[str]:
+    """Split on ``sep`` outside brackets and quotes (so dict/tuple values may hold commas)."""
+    parts, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            if ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``"name:a=1,b=x"`` -> ``("name", {"a": 1, "b": "x"})``.
+
+    Raises
+    ------
+    ValueError
+        If the name is not a registered policy or a parameter is not ``name=value``.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"policy spec must be a non-empty string like 'sink' or 'caote:base=h2o', got {spec!r}")
+    name, _, rest = spec.strip().partition(":")
+    policy_class(name)  # ValueError naming the available policies
+    params = {}
+    if rest.strip():
+        for item in _split_top_level(rest):
+            key, value = _assignment(item, f"policy spec {spec!r}: parameters")
+            params[key] = value
+    return name, params
+
+
+def _format_value(value) -> str:
+    if isinstance(value, str) and value.isidentifier() and value not in ("True", "False", "None"):
+        return value
+    return repr(value)
+
+
+def canonical_spec(spec: str) -> str:
+    """The spec with parameters sorted and values in a fixed form (one spec per policy)."""
+    name, params = parse_spec(spec)
+    if not params:
+        return name
+    return name + ":" + ",".join(f"{k}={_format_value(params[k])}" for k in sorted(params))
+
+
+def make_policy(spec: str) -> Policy:
+    """Construct the policy a spec names."""
+    name, params = parse_spec(spec)
+    return get(name, **params)
