@@ -10,9 +10,13 @@ like the tutorials themselves). ``-D plot_gallery=0`` renders the tutorials' tex
 without running them; the docs test uses it because ``tests/test_tutorials.py`` already
 runs each tutorial in its own process.
 
-The build needs no network. Intersphinx reads the small numpy and scipy inventories in
-``docs/_inventories/`` (written by ``docs/_inventories/make_inventories.py``), and MathJax
-is loaded by the reader's browser.
+The build needs no network, and neither does the built site. Intersphinx reads the small
+numpy and scipy inventories in ``docs/_inventories/`` (written by
+``docs/_inventories/make_inventories.py``). MathJax is served from the build itself: the
+``sphinx-mathjax-offline`` extension (in the ``docs`` extra) copies MathJax 3 and its fonts
+into ``_static/mathjax/``, so formulas render offline, in CI artefacts and on lab machines
+without internet. ``tests/test_docs.py`` fails if a built page references a remote script,
+stylesheet or font.
 """
 
 import os
@@ -33,6 +37,7 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.intersphinx",
     "sphinx.ext.mathjax",
+    "sphinx-mathjax-offline",  # MathJax 3 served from _static/mathjax, not a CDN
     "sphinx.ext.viewcode",
     "numpydoc",
     "sphinx_gallery.gen_gallery",
@@ -86,7 +91,14 @@ templates_path = []
 exclude_patterns = ["_build", "_inventories", "**/example_*.py"]
 html_theme = "alabaster"
 html_static_path = ["_static"]
-html_theme_options = {"description": "KV-cache eviction, exactly, in NumPy", "fixed_sidebar": True}
+# Code blocks scroll sideways instead of being cut, tables scroll inside the column, the
+# column is wider than alabaster's 940 px (see _static/refkv.css).
+html_css_files = ["refkv.css"]
+html_theme_options = {"description": "KV-cache eviction, exactly, in NumPy", "fixed_sidebar": True,
+                      "page_width": "1180px", "sidebar_width": "230px", "font_family": "Georgia, serif",
+                      "head_font_family": "Georgia, serif"}
+# The experiment data under _static/experiments is published as downloads, not pages.
+mathjax_path = "mathjax/tex-chtml.js"  # relative to _static/: the copy the offline extension writes
 
 
 # -- re-exported names ------------------------------------------------------------------
@@ -135,5 +147,73 @@ def _resolve_reexport(app, env, node, contnode):
     return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], canonical, node, contnode)
 
 
+# -- condensed experiment tables ---------------------------------------------------------
+# ``.. rounded-csv:: PATH`` shows a published experiment table with its numbers rounded to
+# 3 significant digits (``:digits:``), only the ``:columns:`` given (default: all but the
+# bookkeeping ones), and a download link to the full CSV beneath it. The CSV stays the
+# record; the page stays readable.
+def _round_cell(text: str, digits: int) -> str:
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    if "." not in text and "e" not in text.lower():
+        return text  # an integer count stays exact
+    if value == 0:
+        return "0"
+    return f"{value:.{digits}g}" if abs(value) < 10 ** digits else f"{value:.0f}"
+
+
+def _rounded_csv_directive():
+    import csv
+    import typing
+
+    from docutils.parsers.rst import directives
+    from docutils.statemachine import StringList
+    from sphinx.util.docutils import SphinxDirective
+
+    hidden = {"wall_time_s", "cpu_time_s", "skipped", "segments", "prompts"}
+
+    class RoundedCSV(SphinxDirective):
+        required_arguments = 1
+        option_spec: typing.ClassVar[dict] = {"caption": directives.unchanged, "columns": directives.unchanged,
+                       "digits": directives.positive_int}
+
+        def run(self):
+            relative, absolute = self.env.relfn2path(self.arguments[0])
+            self.env.note_dependency(relative)
+            with open(absolute, newline="", encoding="utf-8") as f:
+                rows = list(csv.reader(f))
+            header, body = rows[0], rows[1:]
+            wanted = ([c.strip() for c in self.options["columns"].split(",")] if "columns" in self.options
+                      else [c for c in header if c not in hidden])
+            missing = [c for c in wanted if c not in header]
+            if missing:
+                raise self.error(f"{relative} has no column(s) {missing}; it has {header}")
+            index = [header.index(c) for c in wanted]
+            digits = self.options.get("digits", 3)
+
+            def quoted(cell):
+                return '"' + cell.replace('"', '""') + '"'
+
+            lines = [f".. csv-table:: {self.options.get('caption', '')}", "   :header-rows: 1", ""]
+            lines.append("   " + ",".join(quoted(c) for c in wanted))
+            for row in body:
+                lines.append("   " + ",".join(quoted(_round_cell(row[i], digits) if i < len(row) else "")
+                                              for i in index))
+            name = self.arguments[0].rsplit("/", 1)[-1]
+            lines += ["", f"Rounded to {digits} significant digits; all columns, full precision: "
+                          f":download:`{name} <{self.arguments[0]}>`.", ""]
+            container = StringList(lines, source=relative)
+            from docutils import nodes
+
+            node = nodes.container()
+            self.state.nested_parse(container, self.content_offset, node)
+            return node.children
+
+    return RoundedCSV
+
+
 def setup(app):
     app.connect("missing-reference", _resolve_reexport)
+    app.add_directive("rounded-csv", _rounded_csv_directive())

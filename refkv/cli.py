@@ -18,24 +18,127 @@ from . import __version__, policies
 from .engine import Engine
 from .experiments.cli import add_experiment_command
 from .formatting import format_ranges
-from .generation import PROGRESS_MIN_TOKENS, _check_prompt, generate_text
+from .generation import _check_prompt, example_passage, generate_text
+from .model.config import TINY
 from .oracle.cli import add_golden_command
 from .policies.spec import parse_params
+from .threads import blas_threads, choose_threads
+from .validation import check_int
 
-__all__ = ["build_parser", "main"]
+__all__ = ["HelpFormatter", "Parser", "build_parser", "check_policy_arguments", "check_policy_for_model",
+           "evicted_summary", "main"]
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Help text that states every option's default (unless its help already does)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default is None or default is False or default == argparse.SUPPRESS
+                or not action.option_strings
+                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """``ArgumentParser`` whose help shows defaults; subcommand parsers inherit the class."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        # argparse prints nothing for an option without help, not even its default
+        default = kwargs.get("default")
+        if kwargs.get("help") is None and default is not None and default is not False \
+                and args and str(args[0]).startswith("-"):
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
 
 
 def _policy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="full", help="policy name (see `refkv policies`)")
     parser.add_argument("--param", action="append", metavar="NAME=VALUE",
                         help="policy parameter, repeatable (e.g. --param sink=4)")
-    parser.add_argument("--budget", type=int, default=None, help="N, tokens per layer and KV head")
-    parser.add_argument("--block", type=int, default=None, help="B, prompt block size (default: whole prompt)")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="N, tokens kept per layer and KV head (default: none, nothing is evicted)")
+    parser.add_argument("--block", type=int, default=None,
+                        help="B, prompt block size (default: the whole prompt as one block)")
+    _threads_argument(parser)
+
+
+def _threads_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="BLAS threads (default: measured, the fastest for this model on this machine now)")
 
 
 def make_policy(args) -> policies.Policy:
     """Build the policy named by ``--policy`` with its ``--param`` values."""
     return policies.get(args.policy, **parse_params(args.param))
+
+
+def check_policy_arguments(args, config=None) -> policies.Policy:
+    """Validate ``--policy/--param/--budget/--block/--threads`` before any model is loaded.
+
+    Returns the policy. ``config`` is the model's configuration when it is known without
+    loading the model (the built-in ``tiny``); otherwise the checks that depend on the
+    model's depth (layer indices such as knorm's ``skip_layers``) are left to
+    :func:`check_policy_for_model`, which runs once the model is read and before any
+    token is processed. Warns on stderr when a policy is given without a budget.
+    """
+    if args.budget is not None:
+        check_int("--budget", args.budget, 1)
+    if args.block is not None:
+        check_int("--block", args.block, 1)
+    if args.threads is not None:
+        check_int("--threads", args.threads, 1)
+    policy = make_policy(args)
+    if args.budget is None:
+        if policy.name != "full":
+            print(f"warning: --policy {policy.name} without --budget never evicts (every token stays "
+                  f"cached); pass --budget N to see eviction", file=sys.stderr)
+        return policy
+    if policy.name == "full":
+        raise ValueError(f"--budget cannot be used with --policy full (it never evicts; it would refuse "
+                         f"the first eviction); drop --budget {args.budget} or choose a policy that evicts")
+    # Depth-dependent checks pass on a model of any depth here; check_policy_for_model redoes them.
+    config = config if config is not None else TINY.replace(n_layers=_ANY_DEPTH)
+    policy.check(args.budget, config)
+    if args.block is not None:
+        _check_block(policy, args.budget, args.block, config, chosen=True)
+    return policy
+
+
+#: Layers of the stand-in model used before the real one is read (any layer index is valid).
+_ANY_DEPTH = 1 << 30
+
+
+def check_policy_for_model(policy, args, config, prompt_tokens: int, *, at_least: bool = False) -> None:
+    """The checks that need the model (its depth) and the prompt's length, before any token runs.
+
+    ``at_least``: ``prompt_tokens`` is a lower bound (a word count, before the tokenizer is read).
+    """
+    if args.budget is None:
+        return
+    policy.check(args.budget, config)
+    block = args.block if args.block is not None else prompt_tokens
+    if prompt_tokens > args.budget:  # only a block that makes the cache overflow is limited
+        _check_block(policy, args.budget, block, config, chosen=args.block is not None, at_least=at_least)
+
+
+def _check_block(policy, budget: int, block: int, config, *, chosen: bool, at_least: bool = False) -> None:
+    limit = policy.max_block(budget, config)
+    if limit is None or block <= limit:
+        return
+    why = f"{policy.name} evicts before attention, so a block must fit next to what the cache keeps"
+    if chosen:
+        raise ValueError(f"--block must be <= {limit} for --policy {policy.name} with --budget {budget} "
+                         f"({why}), got {block}")
+    size = f"at least {block} tokens" if at_least else f"{block} tokens"
+    raise ValueError(f"--policy {policy.name} with --budget {budget} cannot process the prompt ({size}) "
+                     f"as one block ({why}); pass --block {limit} or smaller")
 
 
 def add_policies_command(sub) -> None:
@@ -52,103 +155,214 @@ def _cmd_policies(args) -> int:
 
 
 def add_run_command(sub) -> None:
-    p = sub.add_parser("run", help="block prompt processing + generation on the built-in model")
+    p = sub.add_parser("run", help="block prompt processing + generation on the built-in random model",
+                       description="Process a random prompt in blocks under a policy and budget on the "
+                                   "built-in random model (no files needed), generate a few tokens, and "
+                                   "print what every layer and KV head kept and how much was evicted.")
     _policy_arguments(p)
     p.add_argument("--prompt-len", type=int, default=300, help="random prompt length (tokens)")
     p.add_argument("--new-tokens", type=int, default=20, help="tokens to generate greedily")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompt")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float64")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float64", help="compute precision")
     p.set_defaults(func=_cmd_run)
 
 
 def _cmd_run(args) -> int:
     from .model import load
 
-    if args.prompt_len < 1:
-        raise ValueError(f"--prompt-len must be >= 1, got {args.prompt_len}")
-    if args.seed < 0:
-        raise ValueError(f"--seed must be an integer >= 0, got {args.seed}")
+    check_int("--prompt-len", args.prompt_len, 1)
+    check_int("--new-tokens", args.new_tokens, 0)
+    check_int("--seed", args.seed, 0)
     model = load("tiny", dtype=args.dtype, seed=args.seed)
+    policy = check_policy_arguments(args, model.config)
+    check_policy_for_model(policy, args, model.config, args.prompt_len)
+    choice = choose_threads(model.config, requested=args.threads)
     prompt = np.random.default_rng(args.seed).integers(0, model.config.vocab_size, args.prompt_len)
-    engine = Engine(model, make_policy(args), args.budget)
-    logits = engine.prefill(prompt, args.block)
-    new = engine.generate(logits, args.new_tokens)
+    engine = Engine(model, policy, args.budget)
+    with blas_threads(choice.n):
+        logits = engine.prefill(prompt, args.block)
+        new = engine.generate(logits, args.new_tokens)
+    block = "whole prompt" if args.block is None else args.block
     print(f"model: {model.config.name} ({model.dtype}), policy: {engine.policy.describe()}, "
-          f"budget: {args.budget}, block: {args.block}, prompt: {args.prompt_len} tokens")
+          f"budget: {args.budget}, block: {block}, prompt: {args.prompt_len} tokens, "
+          f"generated: {len(new)} tokens, threads: {choice.n}")
+    attended = engine.position
+    print(f"kept positions per layer and KV head (a-b is the range a..b; {attended} tokens were cached "
+          f"in all, positions 0-{attended - 1}):")
     for layer, cache in enumerate(engine.caches):
         for head in range(cache.n_kv_heads):
             kept = cache.positions[head]
             print(f"layer {layer} head {head}: {len(kept)} kept: {format_ranges(kept)}")
+    print(evicted_summary(engine))
     s = engine.stats
-    print(f"peak cache size: {s.peak_cache_tokens} tokens per head; evictions: {s.evictions}; "
-          f"attention weights materialised: {s.attention_materialised} of {s.attention_calls} calls")
-    print("generated:", " ".join(map(str, new)))
+    if args.budget is not None:
+        print(f"peak cache: {s.peak_cache_tokens} tokens per head (a block is appended before the "
+              f"eviction, so up to N + B); eviction steps: {s.evictions} of {s.attention_calls} layer "
+              f"calls dropped at least one token")
+    if s.attention_materialised:
+        print(f"attention weights formed: {s.attention_materialised} of {s.attention_calls} layer calls "
+              f"({policy.name} reads them; attention-free policies never form them)")
     return 0
 
 
+def evicted_counts(engine) -> np.ndarray:
+    """(layers, KV heads) tokens each cache has evicted: cached so far minus kept now."""
+    return np.array([[cache.next_position - len(cache.positions[h]) for h in range(cache.n_kv_heads)]
+                     for cache in engine.caches], dtype=np.int64)
+
+
+def evicted_summary(engine) -> str:
+    """Tokens evicted per layer and KV head, one line when every cache evicted the same number.
+
+    Layers with the same per-head counts are grouped (``layers 0-3: 236, 236``).
+    """
+    counts = evicted_counts(engine)
+    attended = engine.position
+    if not counts.any():
+        why = "no budget" if engine.budget is None else f"the {attended} tokens fit in N = {engine.budget}"
+        return f"evicted: nothing ({why})"
+    if (counts == counts.flat[0]).all():
+        return (f"evicted: {counts.flat[0]} of {attended} tokens in every layer and KV head "
+                f"({attended - counts.flat[0]} kept)")
+    lines = [f"evicted, of {attended} tokens, per layer (one number per KV head):"]
+    start = 0
+    for layer in range(1, len(counts) + 1):
+        if layer == len(counts) or not np.array_equal(counts[layer], counts[start]):
+            name = f"layer {start}" if layer - 1 == start else f"layers {start}-{layer - 1}"
+            lines.append(f"  {name}: {', '.join(map(str, counts[start]))}")
+            start = layer
+    return "\n".join(lines)
+
+
+# -- refkv generate ------------------------------------------------------------------------
 def _read_stdin() -> str:
     """Standard input as text; bytes that are not UTF-8 become lone surrogates (then refused)."""
     raw = getattr(sys.stdin, "buffer", None)
     return sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
 
 
+#: A prefill expected to take longer than this many seconds gets a progress line.
+PROGRESS_AFTER_SECONDS = 2.0
+
+
 def add_generate_command(sub) -> None:
     """Register ``refkv generate`` on an argparse subparsers object."""
     p = sub.add_parser("generate", help="generate text with the real model under a KV-cache policy",
-                       description="Greedy generation, streamed to stdout; statistics go to stderr.")
-    p.add_argument("prompt", help="the prompt text, or - to read it from stdin")
+                       description="Greedy generation, streamed to stdout; progress and statistics go to "
+                                   "stderr. The prompt is the PROMPT argument, a file (--prompt-file), "
+                                   "stdin (PROMPT is -) or the shipped example passage (--example).")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt text, or - to read it from stdin")
+    p.add_argument("--prompt-file", metavar="PATH", default=None, help="read the prompt from this file")
+    p.add_argument("--example", action="store_true",
+                   help="use the shipped example: a ~300-token passage and a question about it")
     p.add_argument("--model", default="smollm2",
-                   help="'smollm2' (default), 'tiny' (random, byte tokens), a .gguf file or a checkpoint directory")
+                   help="'smollm2', 'tiny' (random, byte tokens), a .gguf file or a checkpoint directory")
     _policy_arguments(p)
-    p.add_argument("--max-new-tokens", type=int, default=128, help="generation limit (default 128)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="generation limit")
     p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--dtype", choices=("float32", "float64"), default=None,
                    help="default: float32 for trained models, float64 for tiny")
     p.set_defaults(func=_cmd_generate)
 
 
+def _read_prompt(args) -> str:
+    given = [name for name, on in (("PROMPT", args.prompt is not None), ("--prompt-file", args.prompt_file),
+                                   ("--example", args.example)) if on]
+    if len(given) != 1:
+        raise ValueError("give exactly one of PROMPT, --prompt-file PATH or --example"
+                         + (f" (got {' and '.join(given)})" if given else ""))
+    if args.example:
+        return example_passage()
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"--prompt-file {args.prompt_file!r} cannot be read: {err}") from None
+    return _read_stdin() if args.prompt == "-" else args.prompt
+
+
 def _cmd_generate(args) -> int:
+    check_int("--max-new-tokens", args.max_new_tokens, 0)
+    prompt = _read_prompt(args)
+    _check_prompt(prompt)  # before loading the model: a bad byte fails at once
+    if not prompt.strip():
+        raise ValueError("the prompt must not be empty")
+    tiny = TINY if args.model == "tiny" else None  # the one model whose shape is known unloaded
+    policy = check_policy_arguments(args, tiny)  # before the model is read: errors come at once
+    if args.block is None and args.budget is not None:
+        # Every word is at least one token, so a prompt of more words than a policy's block
+        # limit is refused now; the exact count is checked once the tokenizer is read.
+        check_policy_for_model(policy, args, tiny or TINY.replace(n_layers=_ANY_DEPTH), len(prompt.split()),
+                               at_least=True)
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     from .model.loading import load_with_tokenizer
 
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    prompt = _read_stdin() if args.prompt == "-" else args.prompt
-    _check_prompt(prompt)  # before loading the model: a bad byte fails at once
-    policy = make_policy(args)
     start = time.perf_counter()
     model, tokenizer = load_with_tokenizer(args.model, dtype=args.dtype)
     load_seconds = time.perf_counter() - start
     chat = not args.raw and tokenizer.has_chat_template
-    n_prompt = len(tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt))
+    ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
+    n_prompt = len(ids)
+    check_policy_for_model(policy, args, model.config, n_prompt)
+    choice = choose_threads(model.config, requested=args.threads)
+
+    # "open": a progress line without its newline is on screen; it is ended before anything
+    # else prints, so neither the reply nor an error is glued to it.
+    line = {"started": False, "open": False, "printed": 0.0}
+    tty = sys.stderr.isatty()
 
     def progress(done: int, total: int) -> None:
-        rate = done / max(time.perf_counter() - prefill_start, 1e-9)
-        print(f"\rprefill: {done}/{total} tokens ({rate:.0f} tokens/s)", end="", file=sys.stderr, flush=True)
+        elapsed = time.perf_counter() - prefill_start
+        on_course_for = elapsed * total / max(done, 1)  # extrapolated prefill time
+        if not line["started"] and (done >= total or on_course_for <= PROGRESS_AFTER_SECONDS):
+            return  # a fast prefill stays quiet
+        rate = done / max(elapsed, 1e-9)
+        text = f"prefill: {done}/{total} tokens ({rate:.0f} tokens/s)"
+        if tty:  # redrawn in place
+            print(f"\r{text}", end="", file=sys.stderr, flush=True)
+            line["open"] = True
+        elif done >= total or elapsed - line["printed"] >= PROGRESS_AFTER_SECONDS:  # a log: one line per ~2 s
+            print(text, file=sys.stderr, flush=True)
+            line["printed"] = elapsed
+        line["started"] = True
+
+    def end_line() -> None:
+        if line["open"]:
+            print(file=sys.stderr, flush=True)
+            line["open"] = False
 
     def show(piece: str) -> None:
+        end_line()
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    long_prompt = n_prompt >= PROGRESS_MIN_TOKENS
+    if args.block is None and n_prompt >= 256:
+        print(f"prefill: {n_prompt} tokens as one block (--block B shows progress) ...", file=sys.stderr,
+              flush=True)
     prefill_start = time.perf_counter()
-    result = generate_text(model, tokenizer, prompt, policy=policy, budget=args.budget, block_size=args.block,
-                           max_new_tokens=args.max_new_tokens, chat=chat, on_text=show,
-                           progress=progress if long_prompt else None)
-    if long_prompt:
-        print(file=sys.stderr)
+    try:
+        with blas_threads(choice.n):
+            result = generate_text(model, tokenizer, prompt, policy=policy, budget=args.budget,
+                                   block_size=args.block, max_new_tokens=args.max_new_tokens, chat=chat,
+                                   on_text=show, progress=progress)
+    finally:
+        end_line()
     print(flush=True)
     n_new = len(result.tokens)
     s = result.engine.stats
+    block = "whole prompt" if args.block is None else args.block
     print(f"[{model.config.name} {model.dtype}, loaded in {load_seconds:.1f} s; policy {policy.describe()}, "
-          f"budget {args.budget}, block {args.block}; prompt {n_prompt} tokens in {result.prefill_seconds:.2f} s; "
+          f"budget {args.budget}, block {block}; prompt {n_prompt} tokens in {result.prefill_seconds:.2f} s; "
           f"{n_new} generated in {result.decode_seconds:.2f} s"
-          f"{' (stop token)' if result.stopped else ' (limit)'}; peak cache {s.peak_cache_tokens} tokens per head]",
-          file=sys.stderr)
+          f"{' (stop token)' if result.stopped else ' (limit)'}; peak cache {s.peak_cache_tokens} tokens per head; "
+          f"threads {choice.n}, {choice.reason}]", file=sys.stderr)
+    print(f"[{evicted_summary(result.engine)}]", file=sys.stderr)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="refkv", description="Reference KV-cache eviction in NumPy.")
+    parser = Parser(prog="refkv", description="Reference KV-cache eviction in NumPy.")
     parser.add_argument("--version", action="version", version=f"refkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (add_policies_command, add_run_command, add_generate_command, add_golden_command,

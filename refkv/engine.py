@@ -138,6 +138,26 @@ class Engine:
     ------
     ValueError
         If ``budget < 1`` or the policy's protected set cannot fit in it.
+
+    Examples
+    --------
+    Block prompt processing of 100 tokens in blocks of ``B = 16`` under ``N = 32``, then
+    three greedy steps:
+
+    >>> import numpy as np
+    >>> import refkv
+    >>> model = refkv.load("tiny")
+    >>> tokens = np.arange(100) % model.config.vocab_size
+    >>> engine = refkv.Engine(model, "keydiff", budget=32)
+    >>> logits = engine.prefill(tokens, block_size=16)
+    >>> engine.caches[0].positions.shape     # KV heads x kept tokens
+    (2, 32)
+    >>> engine.stats.peak_cache_tokens       # N + B: append, then evict
+    48
+    >>> engine.stats.attention_materialised  # KeyDiff never reads them
+    0
+    >>> len(engine.generate(logits, max_new_tokens=3))
+    3
     """
 
     def __init__(self, model: Model, policy: Policy | str = "full", budget: int | None = None, *,
@@ -410,7 +430,21 @@ def blocks(tokens: np.ndarray, block_size: int | None) -> list[np.ndarray]:
 
 def prefill(model: Model, tokens, policy: Policy | str = "full", budget: int | None = None,
             block_size: int | None = None, **kwargs) -> tuple[np.ndarray, Engine]:
-    """Run block prompt processing; return the last logits and the engine (its caches)."""
+    """Run block prompt processing; return the last logits and the engine (its caches).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import refkv
+    >>> from refkv.engine import prefill
+    >>> model = refkv.load("tiny")
+    >>> logits, engine = prefill(model, np.arange(100), "sink", budget=32, block_size=16)
+    >>> logits.shape                         # the last token's logits
+    (512,)
+    >>> from refkv.formatting import format_ranges
+    >>> format_ranges(engine.caches[0].positions[0])  # first 4, last 28
+    '0-3,72-99'
+    """
     engine = Engine(model, policy, budget, **kwargs)
     return engine.prefill(tokens, block_size), engine
 
@@ -418,6 +452,18 @@ def prefill(model: Model, tokens, policy: Policy | str = "full", budget: int | N
 def generate(model: Model, tokens, policy: Policy | str = "full", budget: int | None = None,
              block_size: int | None = None, max_new_tokens: int = 16, eos: Iterable[int] = (),
              **kwargs) -> tuple[list[int], Engine]:
-    """Prefill ``tokens`` then decode greedily; return the new ids and the engine."""
+    """Prefill ``tokens`` then decode greedily; return the new ids and the engine.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import refkv
+    >>> from refkv.engine import generate
+    >>> model = refkv.load("tiny")
+    >>> new, engine = generate(model, np.arange(100), "h2o", budget=32,
+    ...                        block_size=16, max_new_tokens=3)
+    >>> len(new), engine.position  # the last new token is not fed back
+    (3, 102)
+    """
     logits, engine = prefill(model, tokens, policy, budget, block_size, **kwargs)
     return engine.generate(logits, max_new_tokens, eos=eos), engine

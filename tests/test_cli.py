@@ -16,9 +16,14 @@ def test_run_prints_kept_positions_peak_and_tokens(capsys):
     out = capsys.readouterr().out
     assert "layer 0 head 0: 64 kept: 0-3,259-318" in out  # 300 prompt + 19 generated tokens attended
     assert "layer 3 head 1: 64 kept:" in out
-    assert "peak cache size: 80 tokens per head" in out
-    generated = out.strip().splitlines()[-1].split()
-    assert generated[0] == "generated:" and len(generated) == 21
+    # 300 prompt tokens + 19 generated ones were cached; sink keeps 64 of them everywhere.
+    assert "evicted: 255 of 319 tokens in every layer and KV head (64 kept)" in out
+    assert "peak cache: 80 tokens per head" in out
+    # 19 prompt blocks of 16 (the first 4 fit, blocks 5-19 evict) and 19 decoding steps that all
+    # evict: (15 + 19) x 4 layers = 136 evicting calls of (19 + 19) x 4 = 152.
+    assert "eviction steps: 136 of 152 layer calls" in out
+    assert "\ngenerated:" not in out  # the random model's tokens tell nothing about the policy
+    assert "attention weights formed" not in out  # sink never forms them: the line would say nothing
 
 
 def test_run_with_policy_params(capsys):
@@ -46,6 +51,202 @@ def test_errors_exit_2_with_a_message(capsys):
         main(["run", "--budget", "x"])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "0"], "--budget must be an integer >= 1, got 0"),
+    (["--policy", "sink", "--budget", "16", "--block", "0"], "--block must be an integer >= 1, got 0"),
+    (["--policy", "sink", "--budget", "16", "--threads", "0"], "--threads must be an integer >= 1, got 0"),
+    (["--policy", "full", "--budget", "64"], "--budget cannot be used with --policy full"),
+    (["--policy", "keydiff", "--param", "sink=4", "--budget", "64"],
+     "policy 'keydiff' has no parameter 'sink'; allowed: "),
+    (["--policy", "knorm", "--param", "skip_layers=(7,)", "--budget", "64"], "skip_layers must be in [0, 3]"),
+    (["--policy", "mat", "--budget", "64", "--block", "64"],
+     "--block must be <= 60 for --policy mat with --budget 64"),  # N - sink in its shallow layers
+    (["--policy", "hashevict", "--budget", "64"],
+     "--policy hashevict with --budget 64 cannot process the prompt (300 tokens) as one block"),
+    (["--prompt-len", "0"], "--prompt-len must be an integer >= 1"),
+])
+def test_run_rejects_bad_combinations_in_one_line(argv, message, capsys):
+    assert main(["run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_policy_without_a_budget_warns(capsys):
+    assert main(["run", "--policy", "keydiff", "--prompt-len", "20", "--new-tokens", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "warning: --policy keydiff without --budget never evicts" in err
+    assert "evicted: nothing (no budget)" in out
+    assert main(["run", "--prompt-len", "20", "--new-tokens", "1"]) == 0
+    assert "warning" not in capsys.readouterr().err  # full without a budget is the plain baseline
+
+
+def test_run_shows_attention_use_only_when_there_is_some(capsys):
+    assert main(["run", "--policy", "h2o", "--budget", "32", "--block", "8", "--prompt-len", "60",
+                 "--new-tokens", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "attention weights formed: " in out and "h2o reads them" in out
+
+
+def _subparsers(parser):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield name, sub
+                for inner, subsub in _subparsers(sub):
+                    yield f"{name} {inner}", subsub
+
+
+def test_every_help_shows_the_defaults():
+    """Every option with a default value says it in --help (``refkv`` and every subcommand)."""
+    import argparse
+
+    from refkv.cli import build_parser
+
+    parser = build_parser()
+    checked = 0
+    for name, sub in [("refkv", parser), *_subparsers(parser)]:
+        text = " ".join(sub.format_help().split())
+        for action in sub._actions:
+            if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+                continue
+            if action.default is None or action.default is False:
+                continue
+            assert action.help, f"{name} {action.option_strings[0]} has no help"
+            helptext = " ".join((action.help % {"default": action.default}).split())
+            assert "default" in helptext or f"(default: {action.default})" in text, (name, action.option_strings)
+            checked += 1
+    assert checked >= 10
+
+
+def test_generate_on_the_tiny_model_reports_eviction(capsys, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("a fairly long prompt " * 10, encoding="utf-8")
+    assert main(["generate", "--prompt-file", str(prompt), "--model", "tiny", "--policy", "tova",
+                 "--budget", "64", "--block", "16", "--max-new-tokens", "3", "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert lines[0] == "loading tiny ..."
+    # 210 prompt bytes + 2 of the 3 generated tokens were cached; tova keeps 64.
+    assert "[evicted: 148 of 212 tokens in every layer and KV head (64 kept)]" in err
+    assert "threads 1, --threads]" in err
+
+
+def test_generate_prompt_sources_are_exclusive_and_checked(capsys, tmp_path):
+    assert main(["generate", "x", "--example", "--model", "tiny"]) == 2
+    assert "give exactly one of PROMPT, --prompt-file PATH or --example (got PROMPT and --example)" in \
+        capsys.readouterr().err
+    assert main(["generate", "--model", "tiny"]) == 2
+    assert "give exactly one of" in capsys.readouterr().err
+    assert main(["generate", "--prompt-file", str(tmp_path / "missing.txt"), "--model", "tiny"]) == 2
+    assert "--prompt-file" in capsys.readouterr().err
+
+
+def test_example_passage_is_long_enough_to_evict():
+    from refkv.generation import example_passage
+
+    text = example_passage()
+    assert text.rstrip().endswith("?") and "Question:" in text
+    assert 250 < len(text.split()) < 400  # a few hundred tokens: a budget of 64-128 must evict
+
+
+def test_generate_errors_come_before_the_model_loads(capsys, monkeypatch):
+    import refkv.model.loading as loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loading, "load_with_tokenizer", no_loading)
+    for argv in (["--policy", "full", "--budget", "8"], ["--policy", "sink", "--budget", "4"],
+                 ["--policy", "keydiff", "--param", "bogus=1", "--budget", "8"], ["--budget", "-3"],
+                 ["--policy", "mat", "--budget", "64", "--block", "80"]):
+        assert main(["generate", "hello", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("refkv: error: ") and "loading" not in err, err
+
+
+def test_progress_line_only_for_a_slow_prefill(capsys, monkeypatch):
+    """The progress line appears once the prefill is on course to take more than ~2 s."""
+    import refkv.cli as cli
+
+    monkeypatch.setattr(cli, "PROGRESS_AFTER_SECONDS", 0.0)  # every prefill is "slow"
+    assert main(["generate", "x" * 200, "--model", "tiny", "--block", "50", "--max-new-tokens", "2"]) == 0
+    assert "prefill: 200/200 tokens" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "PROGRESS_AFTER_SECONDS", 1e9)
+    assert main(["generate", "x" * 200, "--model", "tiny", "--block", "50", "--max-new-tokens", "2"]) == 0
+    assert "prefill:" not in capsys.readouterr().err
+
+
+# -- threads ------------------------------------------------------------------------------------
+def test_threads_requested_is_used_unmeasured():
+    from refkv.model import TINY
+    from refkv.threads import ThreadChoice, choose_threads
+
+    assert choose_threads(TINY, requested=3) == ThreadChoice(3, "--threads")
+    with pytest.raises(ValueError, match="threads must be an integer >= 1"):
+        choose_threads(TINY, requested=0)
+
+
+@pytest.mark.parametrize("speedup, expected", [(0.95, 1), (0.80, 4), (1.5, 1)])
+def test_threads_choice_needs_a_clear_win_over_one_thread(speedup, expected, monkeypatch):
+    """More threads are chosen only when they were at least MARGIN (15%) faster than one."""
+    import refkv.threads as threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+    monkeypatch.setattr(threads, "_blas_controllable", lambda: True)
+    # candidates 1, 2, 4: two threads no better than one, four `speedup` times one's time
+    fake = {1: 10.0, 2: 10.0, 4: 10.0 * speedup}
+    monkeypatch.setattr(threads, "_time_workload", lambda n, *a: fake[n])
+    from refkv.model import TINY
+
+    choice = threads.choose_threads(TINY)
+    assert choice.n == expected
+    assert "measured" in choice.reason and "4: " in choice.reason
+
+
+def test_threads_one_core_or_no_blas_pool_means_one(monkeypatch):
+    import refkv.threads as threads
+    from refkv.model import TINY
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 1)
+    assert threads.choose_threads(TINY).n == 1
+    monkeypatch.setattr(threads, "usable_cores", lambda: 8)
+    monkeypatch.setattr(threads, "_blas_controllable", lambda: False)
+    assert threads.choose_threads(TINY) == threads.ThreadChoice(1, "no BLAS thread pool found")
+
+
+def test_blas_threads_sets_and_restores_the_pool():
+    from threadpoolctl import threadpool_info
+
+    from refkv.threads import blas_threads
+
+    def counts():
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+    before = counts()
+    if not before:
+        pytest.skip("no BLAS thread pool visible to threadpoolctl")
+    with blas_threads(1):
+        assert counts() == [1] * len(before)
+    assert counts() == before
+
+
+def test_experiment_summary_table_is_rounded(tmp_path):
+    from refkv.experiments.cli import summary_table
+
+    folder = tmp_path / "perplexity"
+    folder.mkdir()
+    (folder / "ppl.csv").write_text("policy,label,budget,block,ppl,delta_ppl,segments\n"
+                                    "h2o,H2O,128,32,19.24812345,0.8634571,1\n"
+                                    "full,no eviction,,32,18.3846,0,1\n", encoding="utf-8")
+    table = summary_table("perplexity", tmp_path)
+    assert "19.2" in table and "0.863" in table and "19.248" not in table
+    assert "segments" not in table  # only the columns that answer "how good"
+    assert summary_table("perplexity", tmp_path / "nowhere") is None
+
+
 def test_python_dash_m():
     out = subprocess.run([sys.executable, "-m", "refkv", "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("refkv ")
@@ -59,3 +260,30 @@ def test_parse_params_and_ranges():
     assert parse_params(["code=__import__('os')"]) == {"code": "__import__('os')"}  # never evaluated
     assert format_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert format_ranges([]) == "-"
+
+
+def test_the_readme_quick_start_command_evicts(capsys):
+    """The README's generate command, on the built-in model (byte tokens: a longer prompt), shows eviction."""
+    import pathlib
+    import shlex
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.rst").read_text(encoding="utf-8")
+    line = next(x.strip() for x in readme.splitlines() if x.startswith("    refkv generate"))
+    words = shlex.split(line)[1:]
+    words[words.index("--max-new-tokens") + 1] = "2"
+    assert main([*words, "--model", "tiny", "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "[evicted: " in err and "evicted: nothing" not in err
+
+
+def test_generate_refuses_a_too_long_single_block_before_loading(capsys, monkeypatch):
+    """No --block with a policy that evicts before attention: a prompt with more words than the
+    block limit cannot fit (every word is at least one token), so the error comes before loading."""
+    import refkv.model.loading as loading
+
+    monkeypatch.setattr(loading, "load_with_tokenizer", lambda *a, **k: pytest.fail("model loaded"))
+    assert main(["generate", "word " * 100, "--policy", "mat", "--budget", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("refkv: error: --policy mat with --budget 64 cannot process the prompt "
+                          "(at least 100 tokens) as one block")
+    assert "pass --block 60 or smaller" in err

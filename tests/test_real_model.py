@@ -145,7 +145,8 @@ def test_generate_command_with_a_policy(loaded, capsys):
     assert main(args) == 0
     out, err = capsys.readouterr()
     assert "peak cache 96 tokens per head" in err  # N + B between append and eviction
-    assert "prefill:" in err  # the progress line of a prompt over 256 tokens
+    assert "prefill:" in err  # the progress line of a prefill over ~2 s (about 5 s here)
+    assert "evicted: " in err and "in every layer and KV head (64 kept)" in err
     assert len(out.strip()) > 0
 
 
@@ -175,13 +176,13 @@ def test_generate_command_on_the_tiny_model(capsys, monkeypatch):
     assert main(["generate", "-", "--model", "tiny", "--block", "100", "--max-new-tokens", "5"]) == 0
     _, err = capsys.readouterr()
     assert "prompt 300 tokens" in err and "5 generated" in err and "(limit)" in err
-    assert "prefill: 300/300 tokens" in err
+    assert "[evicted: nothing (no budget)]" in err
 
 
 def test_generate_command_rejects_bad_arguments(capsys):
     from refkv.cli import main
 
     assert main(["generate", "x", "--model", "tiny", "--max-new-tokens", "-1"]) == 2
-    assert "--max-new-tokens must be >= 0" in capsys.readouterr().err
+    assert "--max-new-tokens must be an integer >= 0" in capsys.readouterr().err
     assert main(["generate", "", "--model", "tiny"]) == 2
     assert "must not be empty" in capsys.readouterr().err

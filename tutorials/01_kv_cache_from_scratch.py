@@ -198,3 +198,15 @@ print("refkv's layer-0 cache holds", len(engine.caches[0]), "tokens, keys of sha
 # All three agree to rounding. The last line shows refkv's cache layout: keys of shape
 # ``(n_kv_heads, n, d_head)`` per layer, exactly the ``K`` we built by hand. From here on
 # the cache will not be allowed to hold every token: tutorial 2 puts it under a budget.
+
+# %%
+# Saving the figures
+# ------------------
+# In the documentation the figures above are part of the page. Run by hand, as
+# ``python tutorials/01_kv_cache_from_scratch.py``, the script saves them as PNG files next to itself (or in
+# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# :func:`refkv.figures.save_figures` does it.
+
+from refkv.figures import save_figures
+
+save_figures()

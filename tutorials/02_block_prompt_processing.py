@@ -159,3 +159,15 @@ engine = refkv.Engine(model, "hashevict", budget=N)
 engine.prefill(tokens, block_size=16)
 print("hashevict evicts before attention:", engine.policy.evict_before_attention,
       "| peak cache:", engine.stats.peak_cache_tokens, "= N")
+
+# %%
+# Saving the figures
+# ------------------
+# In the documentation the figures above are part of the page. Run by hand, as
+# ``python tutorials/02_block_prompt_processing.py``, the script saves them as PNG files next to itself (or in
+# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# :func:`refkv.figures.save_figures` does it.
+
+from refkv.figures import save_figures
+
+save_figures()

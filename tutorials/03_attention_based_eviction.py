@@ -181,3 +181,15 @@ fig.tight_layout()
 # :math:`B \times (N + B)` entries per query head and layer, which FlashAttention-style
 # kernels never form. These two costs motivate the attention-free policies of tutorials
 # 4-6; tutorial 7 (CAOTE) goes the other way and adds the values to these scores.
+
+# %%
+# Saving the figures
+# ------------------
+# In the documentation the figures above are part of the page. Run by hand, as
+# ``python tutorials/03_attention_based_eviction.py``, the script saves them as PNG files next to itself (or in
+# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# :func:`refkv.figures.save_figures` does it.
+
+from refkv.figures import save_figures
+
+save_figures()

@@ -213,3 +213,15 @@ for name, values in log_volume.items():
 # the Experiments page). And note what KeyDiff never needed: the attention weights. In
 # the engine it runs with attention computed tile by tile, never formed
 # (``engine.stats.attention_materialised`` stays 0; tutorial 3).
+
+# %%
+# Saving the figures
+# ------------------
+# In the documentation the figures above are part of the page. Run by hand, as
+# ``python tutorials/04_keydiff.py``, the script saves them as PNG files next to itself (or in
+# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# :func:`refkv.figures.save_figures` does it.
+
+from refkv.figures import save_figures
+
+save_figures()

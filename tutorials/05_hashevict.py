@@ -178,3 +178,15 @@ print(engine.policy.describe())
 print(f"peak cache {s.peak_cache_tokens} (= N), attention matrix formed {s.attention_materialised} times, "
       f"evictions {s.evictions} = (200 - {N}) tokens x {model.config.n_layers} layers")
 print("hash table of layer 0:", engine.caches[0].fields["hash_code"].shape, "uint8 per KV head and token")
+
+# %%
+# Saving the figures
+# ------------------
+# In the documentation the figures above are part of the page. Run by hand, as
+# ``python tutorials/05_hashevict.py``, the script saves them as PNG files next to itself (or in
+# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# :func:`refkv.figures.save_figures` does it.
+
+from refkv.figures import save_figures
+
+save_figures()

@@ -194,3 +194,15 @@ print("stored logits of layer 20 (float64, per KV head and token):", engine.cach
 # sinks). Layer 20 keeps the first token and :math:`\beta - 1 = 15` anchors chosen by
 # their low :math:`\pi`, printed above as text: which tokens the model's queries treat
 # as "anchor-like" can be read directly.
+
+# %%
+# Saving the figures
+# ------------------
+# In the documentation the figures above are part of the page. Run by hand, as
+# ``python tutorials/06_mat.py``, the script saves them as PNG files next to itself (or in
+# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# :func:`refkv.figures.save_figures` does it.
+
+from refkv.figures import save_figures
+
+save_figures()

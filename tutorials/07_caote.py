@@ -159,3 +159,15 @@ for name, params in (("tova", {}), ("caote", {"base": "tova"}), ("caote", {"base
 # softmax (TOVA at :math:`B = 1`), :math:`c_j` is the change in that head's attention
 # output, with nothing approximated. Later layers and later steps see the change
 # propagate, which no per-step score accounts for.
+
+# %%
+# Saving the figures
+# ------------------
+# In the documentation the figures above are part of the page. Run by hand, as
+# ``python tutorials/07_caote.py``, the script saves them as PNG files next to itself (or in
+# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# :func:`refkv.figures.save_figures` does it.
+
+from refkv.figures import save_figures
+
+save_figures()

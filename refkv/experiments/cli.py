@@ -6,7 +6,7 @@ import contextlib
 import sys
 import time
 
-__all__ = ["add_experiment_command"]
+__all__ = ["SUMMARY_TABLES", "add_experiment_command", "summary_table"]
 
 #: Experiment names the command accepts (``all`` runs every one).
 NAMES = ("passkey", "perplexity", "attention_loss", "geometry", "all")
@@ -39,7 +39,7 @@ def add_experiment_command(sub) -> None:
     p.add_argument("--out", default="results", help="results folder (default ./results)")
     p.add_argument("--model", default=None,
                    help="'tiny', 'smollm2' or a path (default: smollm2 when installed, else tiny)")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="compute precision")
     p.add_argument("--policies", nargs="+", metavar="SPEC",
                    help="policy specs replacing the defaults, e.g. sink keydiff caote:base=h2o")
     p.add_argument("--budgets", nargs="+", metavar="N", help="budgets N (integers, or 'none')")
@@ -47,17 +47,22 @@ def add_experiment_command(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="base seed of the grid (default 0)")
     p.add_argument("--dry-run", action="store_true", help="list the cells still to run and exit")
     p.add_argument("--no-summary", action="store_true", help="skip the tables and plots")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="BLAS threads (default: measured with --jobs 1, one per worker otherwise)")
     p.add_argument("--publish", metavar="DIR", default=None,
                    help="also copy each experiment's tables and plots to DIR/NAME/ (how the docs get theirs)")
     p.set_defaults(func=_cmd_experiment)
 
 
 def _cmd_experiment(args) -> int:
+    from ..threads import blas_threads
     from ..validation import check_int
     from .runner import Settings, check_policy_specs, experiment_names, get_experiment, plan, run
 
     check_int("--jobs", args.jobs, 1)
     check_int("--seed", args.seed, 0)
+    if args.threads is not None:
+        check_int("--threads", args.threads, 1)
     if args.scheduler is not None:
         from .cluster import check_scheduler
 
@@ -79,6 +84,12 @@ def _cmd_experiment(args) -> int:
         print(f"{len(tasks)} cells to run, {done} finished; estimated {sum(t.cost for t in tasks) / 60:.1f} "
               f"core-minutes", file=sys.stderr)
         return 0
+    tasks, done = plan(experiments, settings, args.out)
+    cost = sum(t.cost for t in tasks) / 60
+    print(f"refkv experiment {args.name}: 0/{len(tasks)} cells ({done} already finished), estimated "
+          f"{cost:.1f} core-minutes; results go to {args.out}/", file=sys.stderr, flush=True)
+    choice = _threads(args, settings, tasks)
+    print(f"threads: {choice.n} ({choice.reason})", file=sys.stderr, flush=True)
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         executor = None
@@ -86,8 +97,9 @@ def _cmd_experiment(args) -> int:
             from .cluster import dask_executor
 
             executor = stack.enter_context(dask_executor(args.scheduler, n_workers=args.jobs))
+        stack.enter_context(blas_threads(choice.n if args.jobs == 1 and executor is None else 1))
         records = run(experiments, settings, out=args.out, jobs=args.jobs, summarise=not args.no_summary,
-                      executor=executor)
+                      executor=executor, threads_per_job=choice.n)
     elapsed = time.perf_counter() - start
     if args.publish:
         _publish(args.out, args.publish, list(records))
@@ -95,9 +107,75 @@ def _cmd_experiment(args) -> int:
         cell_time = sum(r["wall_time_s"] for r in recs)
         print(f"{name}: {len(recs)} cells, {cell_time:.0f} s of cell time -> {args.out}/{name}.jsonl, "
               f"{args.out}/{name}/")
+        table = summary_table(name, args.out)
+        if table:
+            print(table)
     where = f"Dask scheduler {args.scheduler}" if args.scheduler else f"--jobs {args.jobs}"
-    print(f"wall time {elapsed:.0f} s with {where}")
+    print(f"wall time {elapsed:.0f} s with {where}, {choice.n} BLAS thread(s) per process")
     return 0
+
+
+def _threads(args, settings, tasks):
+    """The BLAS threads: ``--threads``, one per worker with ``--jobs > 1``, else measured on the grid's model."""
+    from ..threads import ThreadChoice, choose_threads
+
+    if args.threads is not None or args.jobs > 1 or args.scheduler is not None or not tasks:
+        if args.threads is not None:
+            return choose_threads(None, requested=args.threads)
+        if not tasks:
+            return ThreadChoice(1, "nothing to run")
+        return ThreadChoice(1, "one per worker, " + (f"Dask scheduler {args.scheduler}" if args.scheduler
+                                                      else f"--jobs {args.jobs}"))
+    from .common import load_model
+
+    name = settings.resolved_model()
+    print(f"loading {name} ...", file=sys.stderr, flush=True)
+    model, _ = load_model(name, args.dtype)  # cached: the cells reuse it
+    return choose_threads(model.config)
+
+
+#: The main table of each experiment's summary and the columns the end-of-run table shows.
+SUMMARY_TABLES = {
+    "passkey": ("accuracy.csv", ["policy", "budget", "block", "accuracy", "needle_retention", "n"]),
+    "perplexity": ("ppl.csv", ["label", "budget", "block", "ppl", "delta_ppl"]),
+    "attention_loss": ("output_error.csv", ["label", "budget", "block", "mean_error", "mean_lost_attention"]),
+    "geometry": ("log_volume.csv", ["label", "budget", "block", "log_volume_mean", "kept_mean_cosine"]),
+}
+
+
+def _rounded(text: str) -> str:
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    if value == int(value) and abs(value) < 1e6 and "." not in text:
+        return text
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+def summary_table(name: str, out) -> str | None:
+    """The experiment's main results as an aligned text table (3 significant digits), or None.
+
+    Reads the CSV its summary wrote (``OUT/NAME/<table>.csv``); None when there is none
+    (``--no-summary``).
+    """
+    import csv
+    from pathlib import Path
+
+    file, wanted = SUMMARY_TABLES.get(name, (None, None))
+    path = Path(out) / name / (file or "")
+    if file is None or not path.is_file():
+        return None
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        return None
+    columns = [c for c in wanted if c in rows[0]]
+    cells = [columns] + [[_rounded(row.get(c) or "-") for c in columns] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return f"{path}:\n" + "\n".join("  " + line for line in lines)
 
 
 def _publish(out, target, names) -> None:

@@ -90,7 +90,7 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3")
 #: Architectures whose q/k rows llama.cpp's converter reorders for interleaved RoPE.
 PERMUTED_ARCHITECTURES = frozenset({"llama"})
 
-MODELS_EXTRA = "pip install 'refkv[models]'  (or: pip install gguf tokenizers)"
+MODELS_EXTRA = "pip install gguf tokenizers  (the 'models' extra: pip install -e '.[models]' in a checkout)"
 
 
 class GGUFError(ValueError):

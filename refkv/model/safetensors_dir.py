@@ -364,8 +364,8 @@ def tokenizer_of(path):
     try:
         from tokenizers import Tokenizer as Backend
     except ImportError as err:
-        raise ModuleNotFoundError("the tokenizer needs the 'tokenizers' package: pip install 'refkv[models]'  "
-                                  "(or: pip install tokenizers)") from err
+        raise ModuleNotFoundError("the tokenizer needs the 'tokenizers' package: pip install tokenizers  "
+                                  "(the 'models' extra: pip install -e '.[models]' in a checkout)") from err
     file = Path(path) / "tokenizer.json"
     try:
         backend = Backend.from_file(str(file))

@@ -166,8 +166,8 @@ class Tokenizer(_Base):
             from tokenizers import AddedToken, decoders, models, pre_tokenizers
             from tokenizers import Tokenizer as Backend
         except ImportError as err:
-            raise ModuleNotFoundError("the tokenizer needs the 'tokenizers' package: "
-                                      "pip install 'refkv[models]'  (or: pip install tokenizers)") from err
+            raise ModuleNotFoundError("the tokenizer needs the 'tokenizers' package: pip install tokenizers  "
+                                      "(the 'models' extra: pip install -e '.[models]' in a checkout)") from err
         self.vocab = vocab
         self.vocab_size = len(vocab.tokens)
         types = np.asarray(vocab.token_types)

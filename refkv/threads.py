@@ -1,0 +1,182 @@
+"""How many BLAS threads to use: measured, not assumed.
+
+refkv's matrices are small (SmolLM2-135M: ``d_model = 576``, ``d_ff = 1536``), so a
+multi-threaded BLAS gains little on them, and on a machine whose cores are busy with
+other work it loses badly: OpenBLAS's threads spin waiting for each other, and a prompt
+that takes 2 s on one thread took 15-35 s with the default two threads on a loaded
+2-core machine. On an idle larger machine, on the other hand, several threads do speed
+up the prompt's block matrix products.
+
+So :func:`choose_threads` measures. It times the matrix products of one decoder layer
+at this model's sizes -- a block of :data:`BLOCK_ROWS` tokens and :data:`DECODE_ROWS`
+single-token steps, the two shapes a run spends its time in -- with one thread and with
+each candidate count up to the usable cores, interleaved, keeping the fastest of
+:data:`REPEATS` runs each. It picks more than one thread only if that was at least
+:data:`MARGIN` faster than one thread, so the choice is never slower than one thread by
+more than the measurement's noise. The measurement takes a fraction of a second.
+
+``requested`` (the CLI's ``--threads N``) skips the measurement. Nothing here changes the
+process's thread count by itself: :func:`blas_threads` applies a choice for a ``with``
+block (through :mod:`threadpoolctl`), and the thread count outside it is left as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .validation import check_int
+
+__all__ = ["BLOCK_ROWS", "DECODE_ROWS", "MARGIN", "REPEATS", "ThreadChoice", "blas_threads",
+           "choose_threads", "usable_cores"]
+
+#: Rows of the block product timed (a typical prompt block ``B``).
+BLOCK_ROWS = 32
+#: Single-row (decoding) products timed per block product.
+DECODE_ROWS = 4
+#: Timed runs per candidate; the fastest counts (noise only ever adds time).
+REPEATS = 5
+#: More threads are chosen only when they are at least this much faster than one.
+MARGIN = 0.15
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """A BLAS thread count and why it was chosen.
+
+    Attributes
+    ----------
+    n : int
+        Threads to use (``>= 1``).
+    reason : str
+        One short phrase for the statistics line, e.g. ``"measured: 1 thread 4.1 ms,
+        2 threads 6.3 ms"`` or ``"--threads"``.
+    """
+
+    n: int
+    reason: str
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def _blas_controllable() -> bool:
+    from threadpoolctl import threadpool_info
+
+    return any(info.get("user_api") == "blas" for info in threadpool_info())
+
+
+@contextlib.contextmanager
+def blas_threads(n: int):
+    """Run the ``with`` block with ``n`` BLAS threads, then restore the previous count.
+
+    Parameters
+    ----------
+    n : int
+        Thread count, ``>= 1``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refkv.threads import blas_threads
+    >>> with blas_threads(1):
+    ...     product = np.ones((64, 64)) @ np.ones((64, 64))
+    >>> float(product[0, 0])
+    64.0
+    """
+    from threadpoolctl import threadpool_limits
+
+    n = check_int("threads", n, 1)
+    with threadpool_limits(limits=n, user_api="blas"):
+        yield
+
+
+def _layer_weights(config, rng) -> list[np.ndarray]:
+    """Random matrices of one decoder layer's shapes (q, k, v, o, gate, up, down) in float32."""
+    d, h, hkv, dh, ff = config.d_model, config.n_heads, config.n_kv_heads, config.d_head, config.d_ff
+    shapes = [(d, h * dh + 2 * hkv * dh), (h * dh, d), (d, 2 * ff), (ff, d)]
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def _one_layer(x: np.ndarray, weights: list[np.ndarray]) -> None:
+    qkv, out, gate_up, down = weights
+    y = x @ qkv                              # (rows, (H + 2 Hkv) dh)
+    x = y[:, :out.shape[0]] @ out            # (rows, d)
+    z = x @ gate_up                          # (rows, 2 d_ff)
+    z[:, :down.shape[0]] @ down              # (rows, d)
+
+
+def _time_workload(n: int, block: np.ndarray, row: np.ndarray, weights) -> float:
+    with blas_threads(n):
+        start = time.perf_counter()
+        _one_layer(block, weights)
+        for _ in range(DECODE_ROWS):
+            _one_layer(row, weights)
+        return time.perf_counter() - start
+
+
+def _candidates(cores: int) -> list[int]:
+    counts, n = [1], 2
+    while n < cores:
+        counts.append(n)
+        n *= 2
+    if cores > 1:
+        counts.append(cores)
+    return counts
+
+
+def choose_threads(config, *, requested: int | None = None) -> ThreadChoice:
+    """The BLAS thread count fastest for ``config``'s matrix sizes on this machine, now.
+
+    Parameters
+    ----------
+    config : ModelConfig
+        The model whose layer shapes are timed (``d_model``, heads, ``d_ff``).
+    requested : int or None
+        A thread count the user asked for (``--threads N``); returned as is, unmeasured.
+
+    Returns
+    -------
+    ThreadChoice
+
+    Examples
+    --------
+    >>> import refkv
+    >>> from refkv.threads import choose_threads
+    >>> choice = choose_threads(refkv.load("tiny").config)
+    >>> choice.n >= 1
+    True
+    >>> choose_threads(refkv.load("tiny").config, requested=3)
+    ThreadChoice(n=3, reason='--threads')
+    """
+    if requested is not None:
+        return ThreadChoice(check_int("threads", requested, 1), "--threads")
+    cores = usable_cores()
+    if cores == 1:
+        return ThreadChoice(1, "1 usable core")
+    if not _blas_controllable():
+        return ThreadChoice(1, "no BLAS thread pool found")
+    rng = np.random.default_rng(0)
+    weights = _layer_weights(config, rng)
+    block = rng.standard_normal((BLOCK_ROWS, config.d_model)).astype(np.float32)
+    row = block[:1].copy()
+    candidates = _candidates(cores)
+    best = {n: float("inf") for n in candidates}
+    for n in candidates:  # warm-up: the first call at a new count starts its threads
+        _time_workload(n, block, row, weights)
+    for _ in range(REPEATS):  # interleaved, so a burst of load hits every candidate alike
+        for n in candidates:
+            best[n] = min(best[n], _time_workload(n, block, row, weights))
+    fastest = min(candidates, key=lambda n: (best[n], n))
+    chosen = fastest if best[fastest] <= (1.0 - MARGIN) * best[1] else 1
+    times = ", ".join(f"{n}: {best[n] * 1e3:.1f} ms" for n in candidates)
+    return ThreadChoice(chosen, f"measured ({times})")
