@@ -315,8 +315,129 @@ def test_perplexity_grid_adds_token_by_token_cells_only_to_the_default_grid():
 
     default = perplexity.cells(Settings(model="tiny"))
     by_token = [c for c in default if c["block"] == 1]
-    assert sorted(c["policy"] for c in by_token) == sorted(perplexity.TOKEN_BY_TOKEN)
-    assert {c["budget"] for c in by_token} == {128} and {c["segment"] for c in by_token} == {0}
+    names = {policy_name(c["policy"]) for c in by_token}
+    assert names == set(perplexity.TOKEN_BY_TOKEN)
+    assert {c["budget"] for c in by_token} == {128} and {c["segment"] for c in by_token} == {0, 1}
     custom = perplexity.cells(Settings(model="tiny", policies=("mat",), budgets=(64,)))
     assert {c["block"] for c in custom} == {32}
     assert {c["policy"] for c in custom} == {"full", "mat"}
+
+
+def policy_name(spec):
+    return spec.partition(":")[0]
+
+
+def test_default_perplexity_grid_holds_the_comparable_baselines():
+    from refkv.experiments.common import COMPARABLE_BASELINES, canonical_spec
+    from refkv.experiments.runner import Settings
+
+    default = perplexity.cells(Settings(model="tiny"))
+    at = {(c["policy"], c["budget"], c["block"]) for c in default}
+    for spec in COMPARABLE_BASELINES:             # beside each default, at both budgets
+        assert (canonical_spec(spec), 128, 32) in at and (canonical_spec(spec), 256, 32) in at
+    for spec in ("knorm", "h2o", "keydiff", "caote:base=h2o"):
+        assert (spec, 128, 32) in at
+    # HashEvict's protection for L2 also token by token, where the two are compared.
+    assert ("knorm:recent=10,sink=4", 128, 1) in at and ("knorm", 128, 1) in at
+    # MAT's grid: beta x L_s, L_s = 10 dropped on the 4-layer tiny model.
+    mats = {p for p, n, b in at if policy_name(p) == "mat" and n == 128 and b == 32}
+    assert {"mat:beta=16,shallow_layers=0", "mat:beta=64,shallow_layers=2"} <= mats
+    assert not any("shallow_layers=10" in p for p in mats) and len(mats) == 1 + 5 * 2
+    # Equal peak memory: evict-after policies also at N - B, evict-before ones not.
+    assert ("keydiff", 96, 32) in at and ("h2o:recent=0", 224, 32) in at
+    assert ("hashevict", 96, 32) not in at and ("mat", 96, 32) not in at
+    # Both texts get every cell.
+    assert {c["segment"] for c in default} == {0, 1}
+
+
+def test_full_grid_sample_sizes():
+    from refkv.experiments.runner import Settings
+
+    full = Settings(model="smollm2", full=True)
+    ppl = perplexity.cells(full)
+    assert {c["segment"] for c in ppl} == set(range(8)) and {c["length"] for c in ppl} == {1024}
+    keys = passkey.cells(full)
+    assert {c["length"] for c in keys} == {1024, 2048, 4096}
+    per_cell = [c for c in keys if c["policy"] == "keydiff" and c["budget"] == 256 and c["block"] == 128]
+    assert len(per_cell) == 3 * 50                # 50 prompts per length: 10 per needle depth
+    errors = [c for c in attention_loss.cells(full) if c["kind"] == "output_error" and c["policy"] == "sink"]
+    assert {c["segment"] for c in errors} == set(range(10))
+    assert len([c for c in attention_loss.cells(full) if c["kind"] == "alr"]) == 10
+    # Settings override a grid's sample size; quick and full exclude each other.
+    assert {c["segment"] for c in perplexity.cells(Settings(model="tiny", texts=3))} == {0, 1, 2}
+    with pytest.raises(ValueError, match="exclusive"):
+        Settings(quick=True, full=True)
+    with pytest.raises(ValueError, match="texts"):
+        Settings(texts=0)
+    with pytest.raises(ValueError, match="passkey_lengths"):
+        Settings(passkey_lengths=(8,))
+
+
+
+
+# -- comparable baselines and interval summaries (issue 16) -------------------------------
+def test_equal_memory_budget_matches_the_evict_before_peak(tiny64):
+    from refkv.engine import Engine
+    from refkv.experiments.common import equal_memory_budget
+    from refkv.policies import get
+
+    assert equal_memory_budget("keydiff", 128, 32) == 96
+    assert equal_memory_budget("hashevict", 128, 32) is None       # evicts before attention already
+    assert equal_memory_budget("caote:base=h2o", 128, 1) is None   # B = 1: the modes match
+    assert equal_memory_budget("sink", None, 32) is None and equal_memory_budget("sink", 16, 16) is None
+    # The engine's own peak: an evict-after policy at N - B holds what an evict-before one holds at N.
+    tokens = np.arange(80) % tiny64.config.vocab_size
+    peaks = {}
+    for spec, budget in (("hashevict", 32), ("sink", equal_memory_budget("sink", 32, 8)), ("sink", 32)):
+        engine = Engine(tiny64, get(spec), budget)
+        for start in range(0, 80, 8):
+            engine.forward(tokens[start:start + 8])
+        peaks[(spec, budget)] = engine.stats.peak_cache_tokens
+    assert peaks[("hashevict", 32)] == peaks[("sink", 24)] == 32 and peaks[("sink", 32)] == 40
+
+
+def test_configuration_spells_out_defaults():
+    from refkv.experiments.common import configuration
+
+    assert configuration("h2o") == "recent=None"
+    assert configuration("h2o:recent=0") == "recent=0"
+    assert configuration("knorm:sink=4,recent=10") == "recent=10, sink=4, skip_layers=(), skip_sink=4"
+    assert "base_params={'recent': 0}" in configuration("caote:base=h2o,base_params={'recent': 0}")
+
+
+def test_mat_grid_and_best_of_grid():
+    from refkv.experiments.common import best_of_grid, mat_grid
+
+    assert mat_grid(32, 30) == [f"mat:beta={b},shallow_layers={s}" for b in (8, 16) for s in (0, 2, 10)]
+    assert mat_grid(128, 4) == [f"mat:beta={b},shallow_layers={s}" for b in (8, 16, 32, 48, 64) for s in (0, 2)]
+    rows = [{"policy": "mat", "budget": 8, "block": 1, "gap": 3.0},
+            {"policy": "mat:beta=2,shallow_layers=0", "budget": 8, "block": 1, "gap": 1.0},
+            {"policy": "mat:beta=4,shallow_layers=0", "budget": 8, "block": 1, "gap": float("nan")},
+            {"policy": "mat", "budget": 16, "block": 1, "gap": 5.0},
+            {"policy": "sink", "budget": 8, "block": 1, "gap": 0.0}]
+    best_of_grid(rows, "mat", by="gap")
+    assert [r.get("best_of_grid") for r in rows] == [False, True, False, True, None]
+
+
+def test_supported_digits():
+    assert perplexity.supported_digits(2.3) == 1
+    assert perplexity.supported_digits(0.04) == 3
+    assert perplexity.supported_digits(25.0) == 0
+    assert perplexity.supported_digits(0.0) == 4
+
+
+def test_passkey_pairs_by_hand():
+    def rec(policy, sample, correct):
+        return {"params": {"policy": policy, "budget": None if policy == "full" else 8, "block": 4,
+                           "length": 100, "depth": 0.5, "sample": sample}, "result": {"correct": correct}}
+
+    # Five prompts: the ceiling gets all, A gets 0-3, B gets 0 only.
+    records = [rec("full", i, True) for i in range(5)]
+    records += [rec("a", i, i < 4) for i in range(5)] + [rec("b", i, i == 0) for i in range(5)]
+    pairs = {(r["policy_a"], r["policy_b"]): r for r in passkey.paired_comparisons(records)}
+    assert set(pairs) == {("a", "full"), ("a", "b"), ("b", "full")}
+    ab = pairs[("a", "b")]
+    assert (ab["prompts"], ab["only_a"], ab["only_b"]) == (5, 3, 0)
+    assert ab["difference"] == pytest.approx(0.6) and ab["mcnemar_p"] == pytest.approx(0.25)  # 2 * 0.5 ** 3
+    assert ab["diff_low"] <= 0.6 <= ab["diff_high"]
+    assert pairs[("b", "full")]["difference"] == pytest.approx(-0.8)

@@ -1,5 +1,6 @@
 """The experiment runner: records, resume, interruption, parallel = serial, progress, CLI."""
 
+import csv
 import io
 import json
 
@@ -199,8 +200,14 @@ def test_cli_runs_resumes_and_reports(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "perplexity: 3 cells" in text and "wall time" in text
     table = (out / "perplexity" / "ppl.csv").read_text().splitlines()
-    assert table[0].startswith("policy,label,budget,block,ppl,delta_ppl")
-    assert any(line.startswith("sink,sink (StreamingLLM),40,16,") for line in table)
+    assert table[0].startswith("policy,label,configuration,budget,block,peak_cache_tokens,ppl,delta_ppl,gap_low")
+    rows = {(r["policy"], r["budget"]): r for r in csv.DictReader(table)}
+    sink = rows[("sink", "40")]
+    assert sink["label"] == "sink (StreamingLLM)" and sink["configuration"].startswith("sink=4")
+    assert float(sink["gap_low"]) <= float(sink["delta_ppl"]) <= float(sink["gap_high"])
+    assert sink["tokens"] == "191" and sink["peak_cache_tokens"] == "56"   # N + B with B = 16
+    # No eviction (budget none): the gap is exactly 0 with a zero-width interval.
+    assert float(rows[("sink", "")]["gap_low"]) == float(rows[("sink", "")]["gap_high"]) == 0.0
     # A budget of 'none' with an evicting policy never evicts: the same perplexity as no eviction.
     records = read_records(out / "perplexity.jsonl")
     ppl = {(r["params"]["policy"], r["params"]["budget"]): r["result"]["ppl"] for r in records}

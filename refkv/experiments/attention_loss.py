@@ -81,7 +81,7 @@ from .common import (
     write_csv,
 )
 from .plots import _none_last
-from .runner import Experiment, Settings, register_experiment
+from .runner import Experiment, Settings, register_experiment, sample_size
 
 __all__ = ["EXPERIMENT", "alr", "attention_received", "drop_order", "lsh_mean_distance", "one_shot_view",
            "output_error"]
@@ -193,11 +193,14 @@ def cells(settings: Settings) -> list[dict]:
             err_length, budgets = 512, [128]
     policies, budgets, blocks = grid_axes(settings, policies, budgets, blocks)
     base = {"model": model, "dtype": settings.dtype, "seed": settings.seed}
+    prompts = sample_size(settings, "output_prompts")
+    if settings.full or settings.output_prompts is not None:
+        segments = tuple(range(prompts))
     out = []
     for segment in segments:
         out.append({**base, "kind": "alr", "length": alr_length, "segment": segment, "lsh_bits": 16,
                     "rankings": ["l2", "lsh", *[p for p in policies if p != "full"]]})
-    for segment in segments[:2]:
+    for segment in segments[:prompts]:
         out += policy_cells({**base, "kind": "output_error", "length": err_length, "continuation": extra,
                              "segment": segment}, policies, budgets, blocks)
     return out
