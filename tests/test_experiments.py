@@ -188,6 +188,62 @@ def test_alr_cell_on_tiny(tiny64, monkeypatch):
         assert np.all(loss >= ideal - 1e-12)  # no choice of T/2 tokens loses less than the ideal
 
 
+def test_step_losses_by_hand():
+    # One KV head, T = 3: rows are query t's attention over keys 0..2.
+    attention = np.array([[[1.0, 0.0, 0.0], [0.25, 0.75, 0.0], [0.5, 0.2, 0.3]]])
+    got = attention_loss.step_losses(attention, [np.array([[1]]), np.array([[0, 2]])], first_step=1)
+    np.testing.assert_allclose(got, [[0.25], [0.2]], rtol=0, atol=1e-15)
+
+
+def test_attended_sets_follow_the_engine_mode(tiny64):
+    tokens = np.arange(20) % 512
+    budget = 8
+    # Sink evicts after attention: step t attends to kept[t-1] (first 4 + last 4 of 0..t-1) plus t.
+    sink = attention_loss.attended_sets(tiny64, "sink", tokens, budget)
+    assert len(sink[2]) == 20 - budget
+    for t, positions in enumerate(sink[2], start=budget):
+        expected = sorted({0, 1, 2, 3} | set(range(max(4, t - 4), t)) | {t})
+        np.testing.assert_array_equal(positions, [expected] * 2)
+    # HashEvict evicts before attention: N keys, the current token among them, nothing from the future.
+    hashed = attention_loss.attended_sets(tiny64, "hashevict", np.arange(28) % 512, 16)
+    assert len(hashed[1]) == 28 - 16
+    for t, positions in enumerate(hashed[1], start=16):
+        assert positions.shape == (2, 16) and np.all(positions[:, -1] == t) and positions.max() == t
+
+
+def test_step_loss_cell_on_tiny(tiny64, monkeypatch):
+    from refkv.attention import attention_weights
+    from refkv.experiments import common
+
+    monkeypatch.setattr(common, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
+    params = {"model": "tiny", "dtype": "float64", "seed": 0, "kind": "step_loss", "length": 48, "segment": 0,
+              "policy": "sink", "budget": 24, "block": 1}
+    result = attention_loss.run_cell(params)
+    assert result["steps"] == 24 and len(result["loss_by_layer"]) == 4
+    assert all(0 < x < 1 for x in result["loss_by_layer"])
+    # Independently: sink's kept set is known in closed form; the loss from the dense capture.
+    tokens = common.prose_tokens("tiny", "float64", 48, 0)
+    captures, _ = common.dense_capture(tiny64, tokens)
+    pos = np.arange(48)
+    cap = captures[0]
+    a = attention_weights(cap.q, cap.k, pos, np.broadcast_to(pos, (2, 48))).mean(axis=1)  # (Hkv, T, T)
+    losses = [1 - a[:, t, sorted({0, 1, 2, 3} | set(range(max(4, t - 20), t + 1)))].sum(axis=1)
+              for t in range(24, 48)]
+    assert result["loss_by_layer"][0] == pytest.approx(float(np.mean(losses)), abs=1e-12)
+    skipped = attention_loss.run_cell({**params, "policy": "mat", "budget": 2})
+    assert "skipped" in skipped
+
+
+def test_paired_rows_by_hand():
+    values = {("a", 8, 1, 0): 0.5, ("a", 8, 1, 1): 0.7, ("b", 8, 1, 0): 0.25, ("b", 8, 1, 1): 0.25,
+              ("c", 16, 1, 0): 0.0, ("c", 16, 1, 1): 0.1}
+    rows = attention_loss.paired_rows(values)
+    assert [(r["policy_a"], r["policy_b"]) for r in rows] == [("a", "b")]   # c is at another budget
+    # d = (0.25, 0.45): mean 0.35, sd 0.1 * sqrt(2), t_{0.975, 1} = 12.706.
+    assert rows[0]["difference"] == pytest.approx(0.35)
+    assert rows[0]["high"] - 0.35 == pytest.approx(12.7062047 * 0.1 * np.sqrt(2) / np.sqrt(2), rel=1e-6)
+
+
 # -- key geometry --------------------------------------------------------------------------
 
 
