@@ -247,6 +247,50 @@ def test_paired_rows_by_hand():
 # -- key geometry --------------------------------------------------------------------------
 
 
+def test_common_query_statistics_by_hand(rng):
+    import itertools
+
+    from scipy.stats import spearmanr
+
+    t = 8                                    # keys 0..5, queries 6, 7; one key picked of 1..5
+    keys = rng.normal(size=(1, t, 3))
+    logits = rng.normal(size=(t, t))
+    logits[np.triu_indices(t, 1)] = -np.inf
+    attention = sp_softmax(logits, axis=-1)[None]      # (1, T, T) causal, rows sum to 1
+    got = geometry.common_query_statistics(keys, attention)
+    k, a = keys[0, :6], attention[0, 6:, :6]
+    distinct = -np.array([np.mean([k[i] @ k[j] / np.linalg.norm(k[i]) / np.linalg.norm(k[j])
+                                   for j in range(6) if j != i]) for i in range(6)])
+    received = a.mean(axis=0)
+    assert got["spearman"][0] == pytest.approx(spearmanr(distinct, received)[0])
+    assert got["spearman_per_query"][0] == pytest.approx(np.mean([spearmanr(distinct, row)[0] for row in a]))
+    best = 1 + int(np.argmax(distinct[1:]))
+    assert got["share_distinctive"][0] == pytest.approx(received[best])
+    assert got["share_recent"][0] == pytest.approx(received[5])
+    assert got["share_low_norm"][0] == pytest.approx(received[1 + int(np.argmin(np.linalg.norm(k[1:], axis=1)))])
+    # "Random" is the exact mean over every choice of one key of 1..5.
+    assert got["share_random"][0] == pytest.approx(np.mean([received[list(c)].sum()
+                                                            for c in itertools.combinations(range(1, 6), 1)]))
+    with pytest.raises(ValueError, match="too short"):
+        geometry.common_query_statistics(keys[:, :3], attention[:, :3, :3])
+
+
+def test_common_query_spearman_ignores_position_when_attention_follows_distinctiveness(rng):
+    # Attention that depends on distinctiveness alone: +1 on the common query set, whatever the
+    # positions; the "visible queries" mean is pulled by position instead.
+    t = 64
+    keys = rng.normal(size=(1, t, 4))
+    distinct = -geometry.mean_pairwise_cosine(keys[:, :48])[0]
+    logits = np.full((t, t), -np.inf)
+    for q in range(t):
+        logits[q, :q + 1] = 0.0
+        logits[q, :min(q + 1, 48)] = 5 * distinct[:min(q + 1, 48)]
+    attention = sp_softmax(logits, axis=-1)[None]
+    got = geometry.common_query_statistics(keys, attention)
+    assert got["spearman"][0] == pytest.approx(1.0) and got["spearman_per_query"][0] == pytest.approx(1.0)
+    assert got["share_distinctive"][0] > got["share_random"][0]
+
+
 def test_mean_pairwise_cosine_matches_a_double_loop(rng):
     k = rng.normal(size=(2, 6, 3))
     got = geometry.mean_pairwise_cosine(k)
@@ -300,6 +344,14 @@ def test_geometry_cells_on_tiny(tiny64, monkeypatch):
     cos = geometry.run_cell({**base, "kind": "cosine", "length": 80})
     assert np.asarray(cos["spearman_pairwise"]).shape == (4, 2)
     assert len(cos["picture"]["received"]) == 64
+    common = cos["common_queries"]
+    assert all(np.asarray(v).shape == (4, 2) for v in common.values())
+    shares = np.asarray([common[k] for k in ("share_distinctive", "share_random", "share_recent", "share_low_norm")])
+    assert np.all((shares >= 0) & (shares <= 1 + 1e-12))
+    rows = geometry.common_query_rows([{"result": cos}, {"result": cos}])
+    by_name = {r["statistic"]: r for r in rows}
+    assert by_name["spearman"]["mean"] == pytest.approx(np.nanmean(common["spearman"]))
+    assert by_name["share_distinctive - share_random"]["prompts"] == 2
     ret = geometry.run_cell({**base, "kind": "retention", "length": 120, "policy": "keydiff", "budget": 40,
                              "block": 16})
     assert np.asarray(ret["log_volume"]).shape == (4, 2)
