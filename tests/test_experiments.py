@@ -549,3 +549,25 @@ def test_passkey_pairs_by_hand():
     assert ab["difference"] == pytest.approx(0.6) and ab["mcnemar_p"] == pytest.approx(0.25)  # 2 * 0.5 ** 3
     assert ab["diff_low"] <= 0.6 <= ab["diff_high"]
     assert pairs[("b", "full")]["difference"] == pytest.approx(-0.8)
+
+
+def test_perplexity_pairs_same_budget_and_equal_memory(rng):
+    def rec(policy, budget, segment, nll):
+        return {"params": {"policy": policy, "budget": budget, "block": 4, "segment": segment},
+                "result": {"nll": list(nll)}}
+
+    nll = {key: rng.uniform(0.5, 3.0, size=(2, 128)) for key in ("hashevict", "sink16", "sink12", "keydiff")}
+    records = [rec("hashevict", 16, s, nll["hashevict"][s]) for s in range(2)]
+    records += [rec("sink", 16, s, nll["sink16"][s]) for s in range(2)]
+    records += [rec("sink", 12, s, nll["sink12"][s]) for s in range(2)]
+    records += [rec("keydiff", 16, 0, nll["keydiff"][0])]                        # one text only
+    records += [{"params": {"policy": "full", "budget": None, "block": 4, "segment": 0}, "result": {"nll": [1.0]}}]
+    rows = {(r["policy_a"], r["budget_a"], r["policy_b"], r["budget_b"]): r for r in perplexity.paired_gaps(records)}
+    assert set(rows) == {("hashevict", 16, "keydiff", 16), ("hashevict", 16, "sink", 16),
+                         ("keydiff", 16, "sink", 16), ("hashevict", 16, "sink", 12)}
+    memory = rows[("hashevict", 16, "sink", 12)]
+    assert memory["comparison"] == "equal peak memory" and memory["texts"] == 2 and memory["tokens"] == 256
+    expected = np.exp(nll["hashevict"].mean()) - np.exp(nll["sink12"].mean())
+    assert memory["difference"] == pytest.approx(expected) and memory["low"] <= expected <= memory["high"]
+    assert rows[("hashevict", 16, "keydiff", 16)]["texts"] == 1                 # only the shared text
+    assert rows[("hashevict", 16, "sink", 16)]["comparison"] == "same budget"

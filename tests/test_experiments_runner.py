@@ -306,3 +306,18 @@ def test_cli_scheduler_error_exits_2(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "scheduler must be" in err and "Traceback" not in err
+
+
+def test_cli_full_grid_and_sample_size_options(tmp_path, capsys):
+    out = str(tmp_path / "res")
+    assert main(["experiment", "perplexity", "--full", "--model", "tiny", "--dry-run", "--out", out]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    segments = {json.loads(line.split("\t")[2])["segment"] for line in lines}
+    assert segments == set(range(8))                    # the powered grid: 8 texts
+    args = ["experiment", "perplexity", "--model", "tiny", "--dry-run", "--out", out, "--policies", "sink",
+            "--budgets", "40", "--texts", "3", "--text-length", "100"]
+    assert main(args) == 0
+    cells = [json.loads(line.split("\t")[2]) for line in capsys.readouterr().out.splitlines()]
+    assert {c["segment"] for c in cells} == {0, 1, 2} and {c["length"] for c in cells} == {100}
+    assert main(["experiment", "passkey", "--quick", "--full", "--model", "tiny", "--dry-run", "--out", out]) == 2
+    assert "error: quick and full are exclusive" in capsys.readouterr().err

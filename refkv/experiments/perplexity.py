@@ -50,6 +50,7 @@ from .common import (
     format_spec_label,
     grid_axes,
     load_model,
+    make_policy,
     mat_grid,
     mean_std,
     parse_spec,
@@ -61,7 +62,7 @@ from .plots import _none_last
 from .runner import Experiment, Settings, register_experiment, sample_size
 from .stats import perplexity_gap
 
-__all__ = ["EXPERIMENT", "cells", "run_cell", "summarise", "supported_digits", "token_nll"]
+__all__ = ["EXPERIMENT", "cells", "paired_gaps", "run_cell", "summarise", "supported_digits", "token_nll"]
 
 #: Policies the default grid also runs token by token (B = 1): MAT vs sink, HashEvict vs L2.
 TOKEN_BY_TOKEN = ("sink", "mat", "hashevict", "knorm")
@@ -210,10 +211,40 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
                "gap_low", "gap_high", "gap_interval", "tokens", "delta_ppl_std", "ppl_evicted",
                "delta_ppl_evicted", "segments", "best_of_grid", "wall_time_s"]
     written = [write_csv(folder / "ppl.csv", rows, columns)]
+    written.append(write_csv(folder / "ppl_pairs.csv", paired_gaps(records)))
     from . import plots
 
     written += plots.perplexity_bars(rows, folder)
     return written
+
+
+def paired_gaps(records: list[dict]) -> list[dict]:
+    """``ppl(A) - ppl(B)`` with its 95% paired block-bootstrap interval, for every pair of
+    policies at the same budget and block on the texts both ran (``comparison`` = "same
+    budget"), and for every evict-before policy at ``N`` against every evict-after policy at
+    ``N - B`` (``"equal peak memory"``, see :func:`~refkv.experiments.common.equal_memory_budget`)."""
+    nll: dict[tuple, dict[int, list]] = {}
+    for r in records:
+        p, res = r["params"], r["result"]
+        if p["policy"] != "full" and "nll" in res:
+            nll.setdefault((p["policy"], p["budget"], p["block"]), {})[p["segment"]] = res["nll"]
+    keys = sorted(nll, key=lambda k: (_none_last(k[1]), _none_last(k[2]), k[0]))
+    candidates = [(a, b, "same budget") for i, a in enumerate(keys) for b in keys[i + 1:] if a[1:] == b[1:]]
+    for a in keys:
+        if make_policy(a[0]).evict_before_attention and a[1] is not None and a[2] is not None:
+            candidates += [(a, b, "equal peak memory") for b in keys
+                           if b[2] == a[2] and b[1] == a[1] - a[2] and not make_policy(b[0]).evict_before_attention]
+    rows = []
+    for a, b, comparison in candidates:
+        texts = sorted(set(nll[a]) & set(nll[b]))
+        if not texts or any(len(nll[a][s]) != len(nll[b][s]) for s in texts):
+            continue
+        interval = perplexity_gap([nll[a][s] for s in texts], [nll[b][s] for s in texts], block=64)
+        rows.append({"policy_a": a[0], "budget_a": a[1], "policy_b": b[0], "budget_b": b[1], "block": a[2],
+                     "comparison": comparison, "texts": len(texts), "tokens": interval.n,
+                     "difference": interval.estimate, "low": interval.low, "high": interval.high,
+                     "interval": interval.format(supported_digits(interval.high - interval.low))})
+    return rows
 
 
 def _gap_interval(pairs: list[tuple[list, list]]) -> dict:
