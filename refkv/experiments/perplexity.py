@@ -19,10 +19,20 @@ Notes
 * **Equal budgets across the two engine modes.** A policy that evicts *after* attention
   (sink, TOVA, H2O, KeyDiff, ...) lets a block attend to up to ``N + B`` keys; one that
   evicts *before* it (HashEvict, MAT: their papers' per-token algorithms) to ``N``. At
-  ``B = 32`` this favours the former by up to ``B`` keys, so the default grid also runs
-  sink, MAT, HashEvict and L2 token by token (``B = 1``, first segment, smallest budget),
-  where the two modes differ by one key; their gaps are paired with the dense run of
-  the same text (at ``B = 32``: without a budget the block size changes only rounding).
+  ``B = 32`` this favours the former by up to ``B`` keys, so the default grid shows both
+  fair comparisons: every evict-after policy also at budget ``N - B`` (equal peak memory,
+  ``peak_cache_tokens`` in the table, the pairs in ``ppl_pairs.csv``), and sink, MAT,
+  HashEvict and L2 (plain and with HashEvict's protection) token by token (``B = 1``,
+  every text, smallest budget), where the two modes differ by one key; their gaps are
+  paired with the dense run of the same text (at ``B = 32``: without a budget the block
+  size changes only rounding).
+* **Comparable baselines.** Beside each policy's default the grid runs
+  :data:`~refkv.experiments.common.COMPARABLE_BASELINES` and MAT's beta x L_s grid; the
+  ``configuration`` column spells out every parameter and ``best_of_grid`` marks MAT's
+  best cell per budget and block (MAT Sec. 5.1 reports its best beta).
+* **Intervals.** ``gap_low`` / ``gap_high``: the 95% paired block bootstrap of the pooled
+  gap over all texts (blocks of 64 tokens resampled within each text), ``tokens`` its
+  sample size; ``gap_interval`` is rounded to the digits the interval supports.
 * **Positions.** Keys keep their original RoPE positions (the seed papers' setting);
   MAT's StreamingLLM-style position rolling is not used. All prompts are inside
   SmolLM2's 8K training window, where rolling is not needed.
