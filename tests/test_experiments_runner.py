@@ -258,7 +258,7 @@ def test_summaries_write_tables_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setattr(plots, "available", lambda: False)
     runner.run(get_experiment("perplexity"), Settings(quick=True, model="tiny"), out=tmp_path, stream=io.StringIO())
     written = sorted(p.name for p in (tmp_path / "perplexity").iterdir())
-    assert written == ["ppl.csv"]
+    assert written == ["ppl.csv", "ppl_pairs.csv"]
 
 
 @pytest.mark.slow

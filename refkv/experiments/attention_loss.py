@@ -433,8 +433,9 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
         e = np.asarray([r["result"]["error_by_layer"] for r in group])
         m = np.asarray([r["result"]["lost_attention_by_layer"] for r in group])
         curves[(policy, budget, block)] = e.mean(axis=0)
-        rows.append({"policy": policy, "label": format_spec_label(policy), "budget": budget, "block": block,
-                     "mean_error": float(e.mean()), "error_prompt_std": mean_std(e.mean(axis=1))[1],
+        rows.append({"policy": policy, "label": format_spec_label(policy), "configuration": configuration(policy),
+                     "budget": budget, "block": block, "mean_error": float(e.mean()),
+                     "error_prompt_std": mean_std(e.mean(axis=1))[1],
                      "mean_lost_attention": float(m.mean()), "prompts": len(group),
                      "wall_time_s": sum(r["wall_time_s"] for r in group)})
     rows.sort(key=lambda r: (_none_last(r["budget"]), _none_last(r["block"]), r["mean_error"]))

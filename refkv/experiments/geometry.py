@@ -321,7 +321,7 @@ def _run_hamming(params: dict) -> dict:
 def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Path]:
     """``cosine.csv``, ``log_volume.csv``, ``hamming.csv`` and the Fig. 2 / 4 / 5 pictures."""
     from . import plots
-    from .common import format_spec_label
+    from .common import configuration, format_spec_label
 
     written = []
     cos = [r for r in records if r["params"]["kind"] == "cosine"]
@@ -355,7 +355,8 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
         spread = np.asarray([r["result"]["kept_mean_cosine"] for r in group], dtype=np.float64)
         finite = vol[np.isfinite(vol)]
         distributions[format_spec_label(policy)] = finite
-        rows.append({"policy": policy, "label": format_spec_label(policy), "budget": budget, "block": block,
+        rows.append({"policy": policy, "label": format_spec_label(policy), "configuration": configuration(policy),
+                     "budget": budget, "block": block,
                      "log_volume_mean": float(finite.mean()) if finite.size else float("nan"),
                      "log_volume_median": float(np.median(finite)) if finite.size else float("nan"),
                      "kept_mean_cosine": float(spread.mean()), "prompts": len(group)})
