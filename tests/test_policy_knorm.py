@@ -91,6 +91,10 @@ def test_sink_and_recent_protection_keep_hashevicts_tokens_then_lowest_norms():
 
 def test_protection_defaults_and_bounds():
     assert (Knorm().sink, Knorm().recent) == (0, 0)      # the authors' rule: nothing protected
+    # ... with the parameters it had before the option (golden files compare these dicts).
+    assert Knorm().params() == {"skip_layers": (), "skip_sink": 4}
+    assert Knorm(recent=10).params() == {"skip_layers": (), "skip_sink": 4, "sink": 0, "recent": 10}
+    assert get("knorm", **Knorm(sink=4, recent=10).params()) == Knorm(sink=4, recent=10)
     for name in ("sink", "recent"):
         with pytest.raises(ValueError, match=name):
             Knorm(**{name: -1})

@@ -307,7 +307,10 @@ def equal_memory_budget(spec: str, budget: int | None, block: int | None) -> int
 def configuration(spec: str) -> str:
     """Every parameter of the policy ``spec`` builds, defaults included: ``"recent=None"`` for
     plain ``h2o``, so a table row says its configuration even when the spec does not."""
-    params = make_policy(spec).params()
+    policy = make_policy(spec)
+    # Every dataclass field (a policy may leave a default out of params()), then params()
+    # (which spells a wrapped base out as plain values).
+    params = {**{f: getattr(policy, f) for f in getattr(policy, "__dataclass_fields__", {})}, **policy.params()}
     return ", ".join(f"{k}={params[k]!r}" if isinstance(params[k], str) else f"{k}={params[k]}"
                      for k in sorted(params)) or "(no parameters)"
 

@@ -109,6 +109,15 @@ class Knorm(Policy):
             raise ValueError(f"budget must be > sink + recent = {self.sink + self.recent} (room for a "
                              f"norm-ranked token), got {budget}")
 
+    def params(self) -> dict:
+        """Parameters as a plain dict; ``sink`` and ``recent`` only when one is set, so the
+        authors' rule has the parameters it had before the option existed (the golden files
+        and the oracle's default-parameters filter compare these dicts)."""
+        params = super().params()
+        if not (self.sink or self.recent):
+            del params["sink"], params["recent"]
+        return params
+
     def skipped(self, layer: int) -> bool:
         """Whether ``layer`` uses the sink + window fallback instead of the norm rule."""
         return layer in self.skip_layers
