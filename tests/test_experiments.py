@@ -471,6 +471,7 @@ def test_full_grid_sample_sizes():
     errors = [c for c in attention_loss.cells(full) if c["kind"] == "output_error" and c["policy"] == "sink"]
     assert {c["segment"] for c in errors} == set(range(10))
     assert len([c for c in attention_loss.cells(full) if c["kind"] == "alr"]) == 10
+    assert {c["segment"] for c in geometry.cells(full) if c["kind"] == "cosine"} == set(range(10))
     # Settings override a grid's sample size; quick and full exclude each other.
     assert {c["segment"] for c in perplexity.cells(Settings(model="tiny", texts=3))} == {0, 1, 2}
     with pytest.raises(ValueError, match="exclusive"):

@@ -70,7 +70,7 @@ from .common import (
     prose_tokens,
     write_csv,
 )
-from .runner import Experiment, Settings, register_experiment
+from .runner import Experiment, Settings, register_experiment, sample_size
 from .stats import paired_mean_difference
 
 __all__ = ["EXPERIMENT", "common_query_statistics", "hamming_correlation", "log_volume", "mean_pairwise_cosine",
@@ -225,6 +225,8 @@ def cells(settings: Settings) -> list[dict]:
         if not real:
             ret_length, budgets = 512, [128]
     policies, budgets, blocks = grid_axes(settings, policies, budgets, blocks)
+    if settings.full or settings.output_prompts is not None:  # the powered grid: Fig. 2 on 10 prompts
+        segments = tuple(range(sample_size(settings, "output_prompts")))
     out = []
     for segment in segments:
         out.append({**base, "kind": "cosine", "length": dense_length, "segment": segment})

@@ -96,8 +96,8 @@ class Settings:
         Base seed of everything random in the grid (needles, prompts, projections).
     full : bool
         The powered grid of issue 16 (:data:`FULL`): at least 8 perplexity texts of 1,024
-        tokens, 50 passkey prompts per cell at 1K, 2K and 4K tokens, 10 output-error and
-        attention-loss prompts. Hours of CPU: run it with ``--jobs`` or ``--scheduler``.
+        tokens, 50 passkey prompts per cell at 1K, 2K and 4K tokens, 10 prompts for output
+        error, attention loss and the Fig. 2 statistics. Hours of CPU: run it with ``--jobs`` or ``--scheduler``.
     texts : int or None
         Perplexity texts (non-overlapping prose segments) per cell; None: the grid's default.
     text_length : int or None
@@ -108,7 +108,8 @@ class Settings:
     passkey_lengths : tuple of int or None
         Passkey prompt lengths in tokens; None: the grid's default.
     output_prompts : int or None
-        Prompts of the output-error and attention-loss cells; None: the grid's default.
+        Prompts of the output-error, attention-loss and (when given, or with ``full``) Fig. 2
+        cosine cells; None: the grid's default.
     """
 
     quick: bool = False
