@@ -188,7 +188,107 @@ def test_alr_cell_on_tiny(tiny64, monkeypatch):
         assert np.all(loss >= ideal - 1e-12)  # no choice of T/2 tokens loses less than the ideal
 
 
+def test_step_losses_by_hand():
+    # One KV head, T = 3: rows are query t's attention over keys 0..2.
+    attention = np.array([[[1.0, 0.0, 0.0], [0.25, 0.75, 0.0], [0.5, 0.2, 0.3]]])
+    got = attention_loss.step_losses(attention, [np.array([[1]]), np.array([[0, 2]])], first_step=1)
+    np.testing.assert_allclose(got, [[0.25], [0.2]], rtol=0, atol=1e-15)
+
+
+def test_attended_sets_follow_the_engine_mode(tiny64):
+    tokens = np.arange(20) % 512
+    budget = 8
+    # Sink evicts after attention: step t attends to kept[t-1] (first 4 + last 4 of 0..t-1) plus t.
+    sink = attention_loss.attended_sets(tiny64, "sink", tokens, budget)
+    assert len(sink[2]) == 20 - budget
+    for t, positions in enumerate(sink[2], start=budget):
+        expected = sorted({0, 1, 2, 3} | set(range(max(4, t - 4), t)) | {t})
+        np.testing.assert_array_equal(positions, [expected] * 2)
+    # HashEvict evicts before attention: N keys, the current token among them, nothing from the future.
+    hashed = attention_loss.attended_sets(tiny64, "hashevict", np.arange(28) % 512, 16)
+    assert len(hashed[1]) == 28 - 16
+    for t, positions in enumerate(hashed[1], start=16):
+        assert positions.shape == (2, 16) and np.all(positions[:, -1] == t) and positions.max() == t
+
+
+def test_step_loss_cell_on_tiny(tiny64, monkeypatch):
+    from refkv.attention import attention_weights
+    from refkv.experiments import common
+
+    monkeypatch.setattr(common, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
+    params = {"model": "tiny", "dtype": "float64", "seed": 0, "kind": "step_loss", "length": 48, "segment": 0,
+              "policy": "sink", "budget": 24, "block": 1}
+    result = attention_loss.run_cell(params)
+    assert result["steps"] == 24 and len(result["loss_by_layer"]) == 4
+    assert all(0 < x < 1 for x in result["loss_by_layer"])
+    # Independently: sink's kept set is known in closed form; the loss from the dense capture.
+    tokens = common.prose_tokens("tiny", "float64", 48, 0)
+    captures, _ = common.dense_capture(tiny64, tokens)
+    pos = np.arange(48)
+    cap = captures[0]
+    a = attention_weights(cap.q, cap.k, pos, np.broadcast_to(pos, (2, 48))).mean(axis=1)  # (Hkv, T, T)
+    losses = [1 - a[:, t, sorted({0, 1, 2, 3} | set(range(max(4, t - 20), t + 1)))].sum(axis=1)
+              for t in range(24, 48)]
+    assert result["loss_by_layer"][0] == pytest.approx(float(np.mean(losses)), abs=1e-12)
+    skipped = attention_loss.run_cell({**params, "policy": "mat", "budget": 2})
+    assert "skipped" in skipped
+
+
+def test_paired_rows_by_hand():
+    values = {("a", 8, 1, 0): 0.5, ("a", 8, 1, 1): 0.7, ("b", 8, 1, 0): 0.25, ("b", 8, 1, 1): 0.25,
+              ("c", 16, 1, 0): 0.0, ("c", 16, 1, 1): 0.1}
+    rows = attention_loss.paired_rows(values)
+    assert [(r["policy_a"], r["policy_b"]) for r in rows] == [("a", "b")]   # c is at another budget
+    # d = (0.25, 0.45): mean 0.35, sd 0.1 * sqrt(2), t_{0.975, 1} = 12.706.
+    assert rows[0]["difference"] == pytest.approx(0.35)
+    assert rows[0]["high"] - 0.35 == pytest.approx(12.7062047 * 0.1 * np.sqrt(2) / np.sqrt(2), rel=1e-6)
+
+
 # -- key geometry --------------------------------------------------------------------------
+
+
+def test_common_query_statistics_by_hand(rng):
+    import itertools
+
+    from scipy.stats import spearmanr
+
+    t = 8                                    # keys 0..5, queries 6, 7; one key picked of 1..5
+    keys = rng.normal(size=(1, t, 3))
+    logits = rng.normal(size=(t, t))
+    logits[np.triu_indices(t, 1)] = -np.inf
+    attention = sp_softmax(logits, axis=-1)[None]      # (1, T, T) causal, rows sum to 1
+    got = geometry.common_query_statistics(keys, attention)
+    k, a = keys[0, :6], attention[0, 6:, :6]
+    distinct = -np.array([np.mean([k[i] @ k[j] / np.linalg.norm(k[i]) / np.linalg.norm(k[j])
+                                   for j in range(6) if j != i]) for i in range(6)])
+    received = a.mean(axis=0)
+    assert got["spearman"][0] == pytest.approx(spearmanr(distinct, received)[0])
+    assert got["spearman_per_query"][0] == pytest.approx(np.mean([spearmanr(distinct, row)[0] for row in a]))
+    best = 1 + int(np.argmax(distinct[1:]))
+    assert got["share_distinctive"][0] == pytest.approx(received[best])
+    assert got["share_recent"][0] == pytest.approx(received[5])
+    assert got["share_low_norm"][0] == pytest.approx(received[1 + int(np.argmin(np.linalg.norm(k[1:], axis=1)))])
+    # "Random" is the exact mean over every choice of one key of 1..5.
+    assert got["share_random"][0] == pytest.approx(np.mean([received[list(c)].sum()
+                                                            for c in itertools.combinations(range(1, 6), 1)]))
+    with pytest.raises(ValueError, match="too short"):
+        geometry.common_query_statistics(keys[:, :3], attention[:, :3, :3])
+
+
+def test_common_query_spearman_ignores_position_when_attention_follows_distinctiveness(rng):
+    # Attention that depends on distinctiveness alone: +1 on the common query set, whatever the
+    # positions; the "visible queries" mean is pulled by position instead.
+    t = 64
+    keys = rng.normal(size=(1, t, 4))
+    distinct = -geometry.mean_pairwise_cosine(keys[:, :48])[0]
+    logits = np.full((t, t), -np.inf)
+    for q in range(t):
+        logits[q, :q + 1] = 0.0
+        logits[q, :min(q + 1, 48)] = 5 * distinct[:min(q + 1, 48)]
+    attention = sp_softmax(logits, axis=-1)[None]
+    got = geometry.common_query_statistics(keys, attention)
+    assert got["spearman"][0] == pytest.approx(1.0) and got["spearman_per_query"][0] == pytest.approx(1.0)
+    assert got["share_distinctive"][0] > got["share_random"][0]
 
 
 def test_mean_pairwise_cosine_matches_a_double_loop(rng):
@@ -244,6 +344,14 @@ def test_geometry_cells_on_tiny(tiny64, monkeypatch):
     cos = geometry.run_cell({**base, "kind": "cosine", "length": 80})
     assert np.asarray(cos["spearman_pairwise"]).shape == (4, 2)
     assert len(cos["picture"]["received"]) == 64
+    common = cos["common_queries"]
+    assert all(np.asarray(v).shape == (4, 2) for v in common.values())
+    shares = np.asarray([common[k] for k in ("share_distinctive", "share_random", "share_recent", "share_low_norm")])
+    assert np.all((shares >= 0) & (shares <= 1 + 1e-12))
+    rows = geometry.common_query_rows([{"result": cos}, {"result": cos}])
+    by_name = {r["statistic"]: r for r in rows}
+    assert by_name["spearman"]["mean"] == pytest.approx(np.nanmean(common["spearman"]))
+    assert by_name["share_distinctive - share_random"]["prompts"] == 2
     ret = geometry.run_cell({**base, "kind": "retention", "length": 120, "policy": "keydiff", "budget": 40,
                              "block": 16})
     assert np.asarray(ret["log_volume"]).shape == (4, 2)
@@ -315,8 +423,152 @@ def test_perplexity_grid_adds_token_by_token_cells_only_to_the_default_grid():
 
     default = perplexity.cells(Settings(model="tiny"))
     by_token = [c for c in default if c["block"] == 1]
-    assert sorted(c["policy"] for c in by_token) == sorted(perplexity.TOKEN_BY_TOKEN)
-    assert {c["budget"] for c in by_token} == {128} and {c["segment"] for c in by_token} == {0}
+    names = {policy_name(c["policy"]) for c in by_token}
+    assert names == set(perplexity.TOKEN_BY_TOKEN)
+    assert {c["budget"] for c in by_token} == {128} and {c["segment"] for c in by_token} == {0, 1}
     custom = perplexity.cells(Settings(model="tiny", policies=("mat",), budgets=(64,)))
     assert {c["block"] for c in custom} == {32}
     assert {c["policy"] for c in custom} == {"full", "mat"}
+
+
+def policy_name(spec):
+    return spec.partition(":")[0]
+
+
+def test_default_perplexity_grid_holds_the_comparable_baselines():
+    from refkv.experiments.common import COMPARABLE_BASELINES, canonical_spec
+    from refkv.experiments.runner import Settings
+
+    default = perplexity.cells(Settings(model="tiny"))
+    at = {(c["policy"], c["budget"], c["block"]) for c in default}
+    for spec in COMPARABLE_BASELINES:             # beside each default, at both budgets
+        assert (canonical_spec(spec), 128, 32) in at and (canonical_spec(spec), 256, 32) in at
+    for spec in ("knorm", "h2o", "keydiff", "caote:base=h2o"):
+        assert (spec, 128, 32) in at
+    # HashEvict's protection for L2 also token by token, where the two are compared.
+    assert ("knorm:recent=10,sink=4", 128, 1) in at and ("knorm", 128, 1) in at
+    # MAT's grid: beta x L_s, L_s = 10 dropped on the 4-layer tiny model.
+    mats = {p for p, n, b in at if policy_name(p) == "mat" and n == 128 and b == 32}
+    assert {"mat:beta=16,shallow_layers=0", "mat:beta=64,shallow_layers=2"} <= mats
+    assert not any("shallow_layers=10" in p for p in mats) and len(mats) == 1 + 5 * 2
+    # Equal peak memory: evict-after policies also at N - B, evict-before ones not.
+    assert ("keydiff", 96, 32) in at and ("h2o:recent=0", 224, 32) in at
+    assert ("hashevict", 96, 32) not in at and ("mat", 96, 32) not in at
+    # Both texts get every cell.
+    assert {c["segment"] for c in default} == {0, 1}
+
+
+def test_full_grid_sample_sizes():
+    from refkv.experiments.runner import Settings
+
+    full = Settings(model="smollm2", full=True)
+    ppl = perplexity.cells(full)
+    assert {c["segment"] for c in ppl} == set(range(8)) and {c["length"] for c in ppl} == {1024}
+    keys = passkey.cells(full)
+    assert {c["length"] for c in keys} == {1024, 2048, 4096}
+    per_cell = [c for c in keys if c["policy"] == "keydiff" and c["budget"] == 256 and c["block"] == 128]
+    assert len(per_cell) == 3 * 50                # 50 prompts per length: 10 per needle depth
+    errors = [c for c in attention_loss.cells(full) if c["kind"] == "output_error" and c["policy"] == "sink"]
+    assert {c["segment"] for c in errors} == set(range(10))
+    assert len([c for c in attention_loss.cells(full) if c["kind"] == "alr"]) == 10
+    assert {c["segment"] for c in geometry.cells(full) if c["kind"] == "cosine"} == set(range(10))
+    # Settings override a grid's sample size; quick and full exclude each other.
+    assert {c["segment"] for c in perplexity.cells(Settings(model="tiny", texts=3))} == {0, 1, 2}
+    with pytest.raises(ValueError, match="exclusive"):
+        Settings(quick=True, full=True)
+    with pytest.raises(ValueError, match="texts"):
+        Settings(texts=0)
+    with pytest.raises(ValueError, match="passkey_lengths"):
+        Settings(passkey_lengths=(8,))
+
+
+
+
+# -- comparable baselines and interval summaries (issue 16) -------------------------------
+def test_equal_memory_budget_matches_the_evict_before_peak(tiny64):
+    from refkv.engine import Engine
+    from refkv.experiments.common import equal_memory_budget
+    from refkv.policies import get
+
+    assert equal_memory_budget("keydiff", 128, 32) == 96
+    assert equal_memory_budget("hashevict", 128, 32) is None       # evicts before attention already
+    assert equal_memory_budget("caote:base=h2o", 128, 1) is None   # B = 1: the modes match
+    assert equal_memory_budget("sink", None, 32) is None and equal_memory_budget("sink", 16, 16) is None
+    # The engine's own peak: an evict-after policy at N - B holds what an evict-before one holds at N.
+    tokens = np.arange(80) % tiny64.config.vocab_size
+    peaks = {}
+    for spec, budget in (("hashevict", 32), ("sink", equal_memory_budget("sink", 32, 8)), ("sink", 32)):
+        engine = Engine(tiny64, get(spec), budget)
+        for start in range(0, 80, 8):
+            engine.forward(tokens[start:start + 8])
+        peaks[(spec, budget)] = engine.stats.peak_cache_tokens
+    assert peaks[("hashevict", 32)] == peaks[("sink", 24)] == 32 and peaks[("sink", 32)] == 40
+
+
+def test_configuration_spells_out_defaults():
+    from refkv.experiments.common import configuration
+
+    assert configuration("h2o") == "recent=None"
+    assert configuration("h2o:recent=0") == "recent=0"
+    assert configuration("knorm:sink=4,recent=10") == "recent=10, sink=4, skip_layers=(), skip_sink=4"
+    assert "base_params={'recent': 0}" in configuration("caote:base=h2o,base_params={'recent': 0}")
+
+
+def test_mat_grid_and_best_of_grid():
+    from refkv.experiments.common import best_of_grid, mat_grid
+
+    assert mat_grid(32, 30) == [f"mat:beta={b},shallow_layers={s}" for b in (8, 16) for s in (0, 2, 10)]
+    assert mat_grid(128, 4) == [f"mat:beta={b},shallow_layers={s}" for b in (8, 16, 32, 48, 64) for s in (0, 2)]
+    rows = [{"policy": "mat", "budget": 8, "block": 1, "gap": 3.0},
+            {"policy": "mat:beta=2,shallow_layers=0", "budget": 8, "block": 1, "gap": 1.0},
+            {"policy": "mat:beta=4,shallow_layers=0", "budget": 8, "block": 1, "gap": float("nan")},
+            {"policy": "mat", "budget": 16, "block": 1, "gap": 5.0},
+            {"policy": "sink", "budget": 8, "block": 1, "gap": 0.0}]
+    best_of_grid(rows, "mat", by="gap")
+    assert [r.get("best_of_grid") for r in rows] == [False, True, False, True, None]
+
+
+def test_supported_digits():
+    assert perplexity.supported_digits(2.3) == 1
+    assert perplexity.supported_digits(0.04) == 3
+    assert perplexity.supported_digits(25.0) == 0
+    assert perplexity.supported_digits(0.0) == 4
+
+
+def test_passkey_pairs_by_hand():
+    def rec(policy, sample, correct):
+        return {"params": {"policy": policy, "budget": None if policy == "full" else 8, "block": 4,
+                           "length": 100, "depth": 0.5, "sample": sample}, "result": {"correct": correct}}
+
+    # Five prompts: the ceiling gets all, A gets 0-3, B gets 0 only.
+    records = [rec("full", i, True) for i in range(5)]
+    records += [rec("a", i, i < 4) for i in range(5)] + [rec("b", i, i == 0) for i in range(5)]
+    pairs = {(r["policy_a"], r["policy_b"]): r for r in passkey.paired_comparisons(records)}
+    assert set(pairs) == {("a", "full"), ("a", "b"), ("b", "full")}
+    ab = pairs[("a", "b")]
+    assert (ab["prompts"], ab["only_a"], ab["only_b"]) == (5, 3, 0)
+    assert ab["difference"] == pytest.approx(0.6) and ab["mcnemar_p"] == pytest.approx(0.25)  # 2 * 0.5 ** 3
+    assert ab["diff_low"] <= 0.6 <= ab["diff_high"]
+    assert pairs[("b", "full")]["difference"] == pytest.approx(-0.8)
+
+
+def test_perplexity_pairs_same_budget_and_equal_memory(rng):
+    def rec(policy, budget, segment, nll):
+        return {"params": {"policy": policy, "budget": budget, "block": 4, "segment": segment},
+                "result": {"nll": list(nll)}}
+
+    nll = {key: rng.uniform(0.5, 3.0, size=(2, 128)) for key in ("hashevict", "sink16", "sink12", "keydiff")}
+    records = [rec("hashevict", 16, s, nll["hashevict"][s]) for s in range(2)]
+    records += [rec("sink", 16, s, nll["sink16"][s]) for s in range(2)]
+    records += [rec("sink", 12, s, nll["sink12"][s]) for s in range(2)]
+    records += [rec("keydiff", 16, 0, nll["keydiff"][0])]                        # one text only
+    records += [{"params": {"policy": "full", "budget": None, "block": 4, "segment": 0}, "result": {"nll": [1.0]}}]
+    rows = {(r["policy_a"], r["budget_a"], r["policy_b"], r["budget_b"]): r for r in perplexity.paired_gaps(records)}
+    assert set(rows) == {("hashevict", 16, "keydiff", 16), ("hashevict", 16, "sink", 16),
+                         ("keydiff", 16, "sink", 16), ("hashevict", 16, "sink", 12)}
+    memory = rows[("hashevict", 16, "sink", 12)]
+    assert memory["comparison"] == "equal peak memory" and memory["texts"] == 2 and memory["tokens"] == 256
+    expected = np.exp(nll["hashevict"].mean()) - np.exp(nll["sink12"].mean())
+    assert memory["difference"] == pytest.approx(expected) and memory["low"] <= expected <= memory["high"]
+    assert rows[("hashevict", 16, "keydiff", 16)]["texts"] == 1                 # only the shared text
+    assert rows[("hashevict", 16, "sink", 16)]["comparison"] == "same budget"

@@ -1,5 +1,6 @@
 """The experiment runner: records, resume, interruption, parallel = serial, progress, CLI."""
 
+import csv
 import io
 import json
 
@@ -199,8 +200,14 @@ def test_cli_runs_resumes_and_reports(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "perplexity: 3 cells" in text and "wall time" in text
     table = (out / "perplexity" / "ppl.csv").read_text().splitlines()
-    assert table[0].startswith("policy,label,budget,block,ppl,delta_ppl")
-    assert any(line.startswith("sink,sink (StreamingLLM),40,16,") for line in table)
+    assert table[0].startswith("policy,label,configuration,budget,block,peak_cache_tokens,ppl,delta_ppl,gap_low")
+    rows = {(r["policy"], r["budget"]): r for r in csv.DictReader(table)}
+    sink = rows[("sink", "40")]
+    assert sink["label"] == "sink (StreamingLLM)" and sink["configuration"].startswith("sink=4")
+    assert float(sink["gap_low"]) <= float(sink["delta_ppl"]) <= float(sink["gap_high"])
+    assert sink["tokens"] == "191" and sink["peak_cache_tokens"] == "56"   # N + B with B = 16
+    # No eviction (budget none): the gap is exactly 0 with a zero-width interval.
+    assert float(rows[("sink", "")]["gap_low"]) == float(rows[("sink", "")]["gap_high"]) == 0.0
     # A budget of 'none' with an evicting policy never evicts: the same perplexity as no eviction.
     records = read_records(out / "perplexity.jsonl")
     ppl = {(r["params"]["policy"], r["params"]["budget"]): r["result"]["ppl"] for r in records}
@@ -251,7 +258,7 @@ def test_summaries_write_tables_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setattr(plots, "available", lambda: False)
     runner.run(get_experiment("perplexity"), Settings(quick=True, model="tiny"), out=tmp_path, stream=io.StringIO())
     written = sorted(p.name for p in (tmp_path / "perplexity").iterdir())
-    assert written == ["ppl.csv"]
+    assert written == ["ppl.csv", "ppl_pairs.csv"]
 
 
 @pytest.mark.slow
@@ -299,3 +306,18 @@ def test_cli_scheduler_error_exits_2(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "scheduler must be" in err and "Traceback" not in err
+
+
+def test_cli_full_grid_and_sample_size_options(tmp_path, capsys):
+    out = str(tmp_path / "res")
+    assert main(["experiment", "perplexity", "--full", "--model", "tiny", "--dry-run", "--out", out]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    segments = {json.loads(line.split("\t")[2])["segment"] for line in lines}
+    assert segments == set(range(8))                    # the powered grid: 8 texts
+    args = ["experiment", "perplexity", "--model", "tiny", "--dry-run", "--out", out, "--policies", "sink",
+            "--budgets", "40", "--texts", "3", "--text-length", "100"]
+    assert main(args) == 0
+    cells = [json.loads(line.split("\t")[2]) for line in capsys.readouterr().out.splitlines()]
+    assert {c["segment"] for c in cells} == {0, 1, 2} and {c["length"] for c in cells} == {100}
+    assert main(["experiment", "passkey", "--quick", "--full", "--model", "tiny", "--dry-run", "--out", out]) == 2
+    assert "error: quick and full are exclusive" in capsys.readouterr().err

@@ -76,6 +76,34 @@ def test_skipped_layers_fall_back_to_sink_and_window():
     np.testing.assert_array_equal(policy.score(normal), key_norm_scores(keys))
 
 
+def test_sink_and_recent_protection_keep_hashevicts_tokens_then_lowest_norms():
+    # Norms by hand: token i has norm 12 - i (older = larger), except token 5, the smallest.
+    norms = np.array([12.0 - i for i in range(12)])
+    norms[5] = 0.5
+    keys = np.zeros((1, 12, 2))
+    keys[0, :, 0] = norms
+    v = view(keys, budget=6)
+    # No protection: the 6 lowest norms are tokens 5 and 7..11.
+    np.testing.assert_array_equal(Knorm().keep_indices(replace(v, keep=6)), [[5, 7, 8, 9, 10, 11]])
+    # sink=2, recent=2: tokens 0, 1 (largest norms) and 10, 11 forced in; then 5 and 9 by norm.
+    np.testing.assert_array_equal(Knorm(sink=2, recent=2).keep_indices(replace(v, keep=6)), [[0, 1, 5, 9, 10, 11]])
+
+
+def test_protection_defaults_and_bounds():
+    assert (Knorm().sink, Knorm().recent) == (0, 0)      # the authors' rule: nothing protected
+    # ... with the parameters it had before the option (golden files compare these dicts).
+    assert Knorm().params() == {"skip_layers": (), "skip_sink": 4}
+    assert Knorm(recent=10).params() == {"skip_layers": (), "skip_sink": 4, "sink": 0, "recent": 10}
+    assert get("knorm", **Knorm(sink=4, recent=10).params()) == Knorm(sink=4, recent=10)
+    for name in ("sink", "recent"):
+        with pytest.raises(ValueError, match=name):
+            Knorm(**{name: -1})
+    with pytest.raises(ValueError, match=r"sink \+ recent = 14"):
+        Knorm(sink=4, recent=10).check(14, TINY)
+    Knorm(sink=4, recent=10).check(15, TINY)
+    Knorm().check(1, TINY)
+
+
 def test_parameters():
     assert Knorm(skip_layers=[1, 0]).skip_layers == (0, 1)       # lists (CLI) are accepted and sorted
     for bad, name in [((0, 0), "repeat"), ((-1,), "skip_layers"), (("a",), "skip_layers"), ("01", "skip_layers"),

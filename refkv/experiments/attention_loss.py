@@ -26,6 +26,30 @@ of the tokens at or after it, averaged, largest dropped first), and every policy
 grid, ranked by its own score on a one-shot view of the whole prompt (all ``T``
 queries as the block; per-token state from the policy's ``observe``).
 
+**Attention loss per decoding step** (``kind="step_loss"``, HashEvict Table 3's protocol).
+The prompt of ``T`` tokens streams through the engine token by token under the policy at
+budget ``N``. At each step :math:`t \\ge N` and layer, the loss is the dense attention of
+query :math:`t` (averaged over the query heads of each KV head's group) that falls
+outside the cache the step attends to,
+
+.. math:: \\ell_{t,l,h} = 1 - \\sum_{j \\in K_{t,l,h}} \bar a^{\\,l,h}_{t,j} ,
+
+with :math:`K_t` the kept set *the step attends to*: :math:`K_{t-1} \\cup \\{t\\}` for a
+policy that evicts after attention (token :math:`t` attends to the previous step's cache
+plus itself), the cache after eviction :math:`K_t` for one that evicts before it
+(HashEvict, MAT). The cell's statistic is the mean over steps, KV heads and layers; the
+summary gives its mean over prompts with a 95% t interval, and the paired difference of
+every pair of policies over the same prompts (:mod:`refkv.experiments.stats`).
+
+**Why the one-pass statistic is biased.** The ALR cells above rank once over the
+dense pass with every query of the prompt, so a token's score includes the attention of
+queries that come *after* the point where a streaming policy must decide, and the kept
+set is one set for all queries. That favours rankings built on late attention (H2O's
+accumulated attention above all) and does not see a policy's own earlier mistakes, which a
+streaming cache cannot undo. The per-step cells measure the loss the policy actually
+incurs; the one-pass numbers are kept as a fast, policy-free ranking diagnostic
+(HashEvict App. D's ALR), not as Table 3.
+
 **Output error** (``kind="output_error"``, CAOTE Fig. 3). The engine prefills ``T``
 prompt tokens under the policy (budget ``N``, block ``B``); then the ``M`` tokens that
 follow in the text are the queries. Per layer, with the dense run's queries, keys and
@@ -68,6 +92,8 @@ from ..policies import View
 from .common import (
     FAST_CAOTE,
     cached_capture,
+    canonical_spec,
+    configuration,
     default_policies,
     format_spec_label,
     grid_axes,
@@ -76,12 +102,14 @@ from .common import (
     make_policy,
     mean_std,
     policy_cells,
+    policy_error,
     prefill_or_skip,
     prose_tokens,
     write_csv,
 )
 from .plots import _none_last
-from .runner import Experiment, Settings, register_experiment
+from .runner import Experiment, Settings, register_experiment, sample_size
+from .stats import paired_mean_difference
 
 __all__ = ["EXPERIMENT", "alr", "attention_received", "drop_order", "lsh_mean_distance", "one_shot_view",
            "output_error"]
@@ -177,8 +205,60 @@ def output_error(capture, kept_positions: np.ndarray, prompt_length: int) -> tup
 
 
 # -- cells ---------------------------------------------------------------------------------
+#: Policies the default grid measures per decoding step: HashEvict Table 3's three (H2O,
+#: HashEvict, L2), each baseline also in its comparable configuration.
+STEP_LOSS_POLICIES = ("hashevict", "h2o", "h2o:recent=0", "knorm", "knorm:recent=10,sink=4")
+
+
+def step_losses(attention: np.ndarray, attended: list[np.ndarray], first_step: int) -> np.ndarray:
+    """The attention each step loses: ``1 - sum_{j in attended} attention[h, t, j]``.
+
+    Parameters
+    ----------
+    attention : (Hkv, T, T) array
+        Dense causal attention of every query over every key, averaged over each KV head's
+        query group (rows sum to 1).
+    attended : list of (Hkv, n_t) int arrays
+        Per step ``t = first_step, first_step + 1, ...``, the positions each KV head's
+        query ``t`` attends to under eviction.
+
+    Returns
+    -------
+    (steps, Hkv) float64 array
+    """
+    out = np.empty((len(attended), attention.shape[0]))
+    for i, positions in enumerate(attended):
+        t = first_step + i
+        row = attention[:, t, :].astype(np.float64)                     # (Hkv, T)
+        out[i] = 1.0 - np.take_along_axis(row, positions, axis=1).sum(axis=1)
+    return out
+
+
+def attended_sets(model, spec: str, tokens: np.ndarray, budget: int) -> list[list[np.ndarray]]:
+    """Run ``tokens`` token by token under ``spec`` at ``budget``; per layer, per step
+    ``t >= budget``, the (Hkv, n) positions step ``t`` attends to (see the module notes)."""
+    from ..engine import Engine
+
+    policy = make_policy(spec)
+    engine = Engine(model, policy, budget)
+    out: list[list[np.ndarray]] = [[] for _ in range(model.config.n_layers)]
+    for t in range(len(tokens)):
+        before = [c.positions.copy() for c in engine.caches] if t >= budget else None
+        engine.forward(tokens[t:t + 1])
+        if before is None:
+            continue
+        for layer, cache in enumerate(engine.caches):
+            if policy.evict_before_attention:
+                out[layer].append(cache.positions.copy())
+            else:
+                new = np.full((before[layer].shape[0], 1), t, dtype=np.int64)
+                out[layer].append(np.concatenate([before[layer], new], axis=1))
+    return out
+
+
 def cells(settings: Settings) -> list[dict]:
-    """ALR cells (one per prompt) and output-error cells (prompt x policy x budget x block)."""
+    """ALR cells (one per prompt), per-step attention-loss cells (prompt x policy, ``N = T/2``,
+    ``B = 1``) and output-error cells (prompt x policy x budget x block)."""
     model = settings.resolved_model()
     real = model != "tiny"
     if settings.quick:
@@ -193,11 +273,19 @@ def cells(settings: Settings) -> list[dict]:
             err_length, budgets = 512, [128]
     policies, budgets, blocks = grid_axes(settings, policies, budgets, blocks)
     base = {"model": model, "dtype": settings.dtype, "seed": settings.seed}
+    prompts = sample_size(settings, "output_prompts")
+    if settings.full or settings.output_prompts is not None:
+        segments = tuple(range(prompts))
     out = []
     for segment in segments:
         out.append({**base, "kind": "alr", "length": alr_length, "segment": segment, "lsh_bits": 16,
                     "rankings": ["l2", "lsh", *[p for p in policies if p != "full"]]})
-    for segment in segments[:2]:
+    step_policies = [canonical_spec(p) for p in (settings.policies or
+                                                    (("hashevict", "h2o") if settings.quick else STEP_LOSS_POLICIES))]
+    for segment in segments[:max(prompts, 2) if not settings.quick else 1]:
+        out += [{**base, "kind": "step_loss", "length": alr_length, "segment": segment, "policy": policy,
+                 "budget": alr_length // 2, "block": 1} for policy in step_policies if policy != "full"]
+    for segment in segments[:prompts]:
         out += policy_cells({**base, "kind": "output_error", "length": err_length, "continuation": extra,
                              "segment": segment}, policies, budgets, blocks)
     return out
@@ -207,6 +295,8 @@ def cost(params: dict) -> float:
     """Roughly CPU seconds."""
     if params["kind"] == "alr":
         return params["length"] * 0.02 * (1 + len(params["rankings"]) / 8)
+    if params["kind"] == "step_loss":  # ~70 ms per token at B = 1 on the real model, plus the dense pass
+        return params["length"] * 0.075 + 2.0
     return params["length"] / 250.0 + 2.0
 
 
@@ -215,7 +305,24 @@ def run_cell(params: dict) -> dict:
         return _run_alr(params)
     if params["kind"] == "output_error":
         return _run_output_error(params)
-    raise ValueError(f"kind must be 'alr' or 'output_error', got {params['kind']!r}")
+    if params["kind"] == "step_loss":
+        return _run_step_loss(params)
+    raise ValueError(f"kind must be 'alr', 'step_loss' or 'output_error', got {params['kind']!r}")
+
+
+def _run_step_loss(params: dict) -> dict:
+    model, _ = load_model(params["model"], params["dtype"])
+    budget = params["budget"]
+    reason = policy_error(params["policy"], budget, 1, model.config)
+    if reason is not None:
+        return {"skipped": reason}
+    tokens = prose_tokens(params["model"], params["dtype"], params["length"], params["segment"])
+    attended = attended_sets(model, params["policy"], tokens, budget)
+    _, layers = layer_attention(params)
+    by_layer = []
+    for layer, _cap, weights in layers:  # weights (Hkv, g, T, T)
+        by_layer.append(float(step_losses(weights.mean(axis=1), attended[layer], budget).mean()))
+    return {"loss_by_layer": by_layer, "mean_loss": float(np.mean(by_layer)), "steps": len(tokens) - budget}
 
 
 def _run_alr(params: dict) -> dict:
@@ -326,8 +433,9 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
         e = np.asarray([r["result"]["error_by_layer"] for r in group])
         m = np.asarray([r["result"]["lost_attention_by_layer"] for r in group])
         curves[(policy, budget, block)] = e.mean(axis=0)
-        rows.append({"policy": policy, "label": format_spec_label(policy), "budget": budget, "block": block,
-                     "mean_error": float(e.mean()), "error_prompt_std": mean_std(e.mean(axis=1))[1],
+        rows.append({"policy": policy, "label": format_spec_label(policy), "configuration": configuration(policy),
+                     "budget": budget, "block": block, "mean_error": float(e.mean()),
+                     "error_prompt_std": mean_std(e.mean(axis=1))[1],
                      "mean_lost_attention": float(m.mean()), "prompts": len(group),
                      "wall_time_s": sum(r["wall_time_s"] for r in group)})
     rows.sort(key=lambda r: (_none_last(r["budget"]), _none_last(r["block"]), r["mean_error"]))
@@ -337,11 +445,57 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
                                       for (p, n, b), c in curves.items()}}
                       for i in range(len(next(iter(curves.values()))))]
         written.append(write_csv(folder / "output_error_by_layer.csv", layer_rows))
+    written.append(write_csv(folder / "output_error_pairs.csv", paired_rows(
+        {(r["params"]["policy"], r["params"]["budget"], r["params"]["block"], r["params"]["segment"]):
+         r["result"]["mean_error"] for r in err_records})))
+
+    step_records = [r for r in records if r["params"]["kind"] == "step_loss" and "skipped" not in r["result"]]
+    per_policy: dict[str, list[float]] = {}
+    for r in sorted(step_records, key=lambda r: r["params"]["segment"]):
+        per_policy.setdefault(r["params"]["policy"], []).append(r["result"]["mean_loss"])
+    rows = []
+    for policy, values in per_policy.items():
+        row = {"policy": policy, "label": format_spec_label(policy), "configuration": configuration(policy),
+               "mean_loss": float(np.mean(values)), "prompts": len(values),
+               "budget": step_records[0]["params"]["budget"], "length": step_records[0]["params"]["length"]}
+        if len(values) >= 2:  # a t interval over prompts: the paired difference with zero
+            interval = paired_mean_difference(values, np.zeros(len(values)))
+            row.update(loss_low=interval.low, loss_high=interval.high)
+        rows.append(row)
+    rows.sort(key=lambda r: r["mean_loss"])
+    written.append(write_csv(folder / "step_loss.csv", rows, ["policy", "label", "configuration", "length",
+                                                              "budget", "mean_loss", "loss_low", "loss_high",
+                                                              "prompts"]))
+    written.append(write_csv(folder / "step_loss_pairs.csv", paired_rows(
+        {(r["params"]["policy"], r["params"]["budget"], r["params"]["block"], r["params"]["segment"]):
+         r["result"]["mean_loss"] for r in step_records})))
     from . import plots
 
     written += plots.output_error_lines(curves, folder)
     written += plots.alr_lines(by_layer, folder)
     return written
+
+
+def paired_rows(values: dict[tuple, float]) -> list[dict]:
+    """Every pair of policies at the same budget and block over the prompts both ran:
+    mean difference A - B with its 95% paired t interval (needs >= 2 shared prompts).
+
+    ``values`` maps ``(policy, budget, block, prompt)`` to one number per prompt."""
+    by_cell: dict[tuple, dict] = {}
+    for (policy, budget, block, prompt), value in values.items():
+        by_cell.setdefault((policy, budget, block), {})[prompt] = value
+    keys = sorted(by_cell, key=lambda k: (str(k[1]), str(k[2]), k[0]))
+    rows = []
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            prompts = sorted(set(by_cell[a]) & set(by_cell[b]))
+            if b[1:] != a[1:] or len(prompts) < 2:
+                continue
+            interval = paired_mean_difference([by_cell[a][q] for q in prompts], [by_cell[b][q] for q in prompts])
+            rows.append({"policy_a": a[0], "policy_b": b[0], "budget": a[1], "block": a[2],
+                         "prompts": interval.n, "difference": interval.estimate, "low": interval.low,
+                         "high": interval.high})
+    return rows
 
 
 def _label(name: str) -> str:

@@ -1,4 +1,4 @@
-"""``refkv experiment NAME [--quick] [--jobs N] [--scheduler ADDRESS] [--out DIR] [--policies ...] [--budgets ...]``."""
+"""``refkv experiment NAME [--quick | --full] [--jobs N] [--scheduler ADDRESS] [--out DIR] [--policies ...]``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,17 @@ def add_experiment_command(sub) -> None:
                                    "OUT/NAME.jsonl, tables and plots go to OUT/NAME/.")
     p.add_argument("name", choices=NAMES, help="experiment to run, or 'all'")
     p.add_argument("--quick", action="store_true", help="the tiny grid (a minute or two)")
+    p.add_argument("--full", action="store_true",
+                   help="the powered grid (>= 8 texts of 1,024 tokens, 50 passkey prompts at 1K/2K/4K, 10 "
+                        "output-error prompts): many core-hours, see --dry-run; use --jobs or --scheduler")
+    p.add_argument("--texts", type=int, default=None, metavar="N", help="perplexity texts per cell")
+    p.add_argument("--text-length", type=int, default=None, metavar="T", help="tokens per perplexity text")
+    p.add_argument("--passkey-prompts", type=int, default=None, metavar="N",
+                   help="passkey prompts per cell (spread over the needle depths)")
+    p.add_argument("--passkey-lengths", type=int, nargs="+", default=None, metavar="T",
+                   help="passkey prompt lengths in tokens")
+    p.add_argument("--output-prompts", type=int, default=None, metavar="N",
+                   help="prompts of the output-error and attention-loss cells")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     p.add_argument("--scheduler", default=None, metavar="ADDRESS",
                    help="run the cells on a Dask cluster: a scheduler address (tcp://HOST:8786) or 'local' "
@@ -74,7 +85,10 @@ def _cmd_experiment(args) -> int:
         policies=tuple(args.policies) if args.policies else None,
         budgets=tuple(_optional_int(b, "--budgets") for b in args.budgets) if args.budgets else None,
         blocks=tuple(_optional_int(b, "--blocks") for b in args.blocks) if args.blocks else None,
-        seed=args.seed)
+        seed=args.seed, full=args.full, texts=args.texts, text_length=args.text_length,
+        passkey_prompts=args.passkey_prompts,
+        passkey_lengths=tuple(args.passkey_lengths) if args.passkey_lengths else None,
+        output_prompts=args.output_prompts)
     names = experiment_names() if args.name == "all" else [args.name]
     experiments = [get_experiment(n) for n in names]
     if args.dry_run:

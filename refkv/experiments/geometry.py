@@ -12,6 +12,17 @@ Three kinds of cells:
   the mean unit key; it ranks keys exactly as the pairwise sum, Eq. 7 = Eq. 8, so the two
   columns agree, a check) and for the L2 rule's score (minus the key norm, HashEvict
   App. C / Devoto et al.). The first 64 keys of one head are kept for the Fig. 2 picture.
+  **That statistic is confounded by position**: the mean over "the queries that see the
+  key" averages an early key over many late queries and a late key over a few recent
+  ones, so it tracks position, whatever the key's direction. The same cell therefore
+  also measures Fig. 2 *on a common query set* (:func:`common_query_statistics`): the
+  last 25% of queries against the first 75% of keys, where every query sees every key;
+  there, Spearman between distinctiveness (minus the mean cosine to the other keys of
+  that set) and the mean attention received, the same per query (Spearman over keys for
+  each query, averaged), the L2 rule's Spearman, and the attention share the 25% most
+  distinctive keys capture (token 0, the attention sink, excluded from every selection)
+  against 25% chosen at random (the exact expectation), the 25% most recent, and the 25%
+  of lowest key norm. The old column stays for comparison with the earlier page.
 * ``kind="retention"`` (Figs. 4, 5): the engine prefills the prompt under a policy
   (budget ``N``, block ``B``); per layer and KV head, the log-volume of the kept keys,
   :math:`\\log\\det(K^\\top K)` (see Notes), and their mean pairwise cosine. For one
@@ -59,9 +70,11 @@ from .common import (
     prose_tokens,
     write_csv,
 )
-from .runner import Experiment, Settings, register_experiment
+from .runner import Experiment, Settings, register_experiment, sample_size
+from .stats import paired_mean_difference
 
-__all__ = ["EXPERIMENT", "hamming_correlation", "log_volume", "mean_pairwise_cosine", "pca_2d"]
+__all__ = ["EXPERIMENT", "common_query_statistics", "hamming_correlation", "log_volume", "mean_pairwise_cosine",
+           "pca_2d", "top_share"]
 
 #: Code lengths of HashEvict Table 11.
 BITS = (8, 16, 24, 32)
@@ -146,6 +159,58 @@ def _spearman(x: np.ndarray, y: np.ndarray) -> float:
     return float(spearmanr(x, y)[0])
 
 
+def top_share(score: np.ndarray, received: np.ndarray, count: int) -> float:
+    """Attention ``received`` on the ``count`` keys of highest ``score``, token 0 left out
+    (ties: the earlier key first, a stable sort)."""
+    top = 1 + np.argsort(-score[1:], kind="stable")[:count]
+    return float(received[top].sum())
+
+
+def common_query_statistics(keys: np.ndarray, attention: np.ndarray, fraction: float = 0.25) -> dict:
+    """KeyDiff Fig. 2 on a common query set, for one layer.
+
+    Parameters
+    ----------
+    keys : (Hkv, T, d) array
+    attention : (Hkv, T, T) array
+        Group-averaged causal attention (rows sum to 1).
+    fraction : float
+        Queries are the last ``fraction`` of positions, keys the first ``1 - fraction``; the
+        selections take ``fraction`` of the keys (token 0 excluded).
+
+    Returns
+    -------
+    dict of per-head lists: ``spearman`` (distinctiveness vs mean attention received),
+    ``spearman_per_query`` (mean over queries of the per-query Spearman over keys),
+    ``spearman_low_norm`` (minus key norm vs mean attention received), and the attention
+    shares ``share_distinctive``, ``share_random`` (expected), ``share_recent``,
+    ``share_low_norm`` (mean over queries of the attention on the selected keys).
+    """
+    n_kv, t, _ = keys.shape
+    n_keys = int(t * (1 - fraction))                    # keys [0, n_keys)
+    first_query = t - int(t * fraction)                 # queries [first_query, T); all see every key
+    if n_keys < 3 or first_query < n_keys or first_query >= t:
+        raise ValueError(f"T={t} is too short for a common query set with fraction={fraction}")
+    picked = max(1, round(fraction * (n_keys - 1)))   # keys 1 .. n_keys - 1 are candidates
+    out: dict[str, list[float]] = {name: [] for name in (
+        "spearman", "spearman_per_query", "spearman_low_norm", "share_distinctive", "share_random",
+        "share_recent", "share_low_norm")}
+    for h in range(n_kv):
+        k = keys[h, :n_keys]                                          # (K, d)
+        a = attention[h, first_query:, :n_keys].astype(np.float64)   # (Q, K)
+        distinct = -mean_pairwise_cosine(k)                           # (K,) higher = more distinctive
+        low_norm = -np.linalg.norm(k.astype(np.float64), axis=-1)    # (K,) higher = lower norm
+        received = a.mean(axis=0)                                     # (K,)
+        out["spearman"].append(_spearman(distinct, received))
+        out["spearman_per_query"].append(float(np.nanmean([_spearman(distinct, row) for row in a])))
+        out["spearman_low_norm"].append(_spearman(low_norm, received))
+        out["share_distinctive"].append(top_share(distinct, received, picked))
+        out["share_low_norm"].append(top_share(low_norm, received, picked))
+        out["share_recent"].append(top_share(np.arange(n_keys, dtype=np.float64), received, picked))
+        out["share_random"].append(float(received[1:].sum() * picked / (n_keys - 1)))
+    return out
+
+
 # -- cells ---------------------------------------------------------------------------------
 def cells(settings: Settings) -> list[dict]:
     model = settings.resolved_model()
@@ -160,6 +225,8 @@ def cells(settings: Settings) -> list[dict]:
         if not real:
             ret_length, budgets = 512, [128]
     policies, budgets, blocks = grid_axes(settings, policies, budgets, blocks)
+    if settings.full or settings.output_prompts is not None:  # the powered grid: Fig. 2 on 10 prompts
+        segments = tuple(range(sample_size(settings, "output_prompts")))
     out = []
     for segment in segments:
         out.append({**base, "kind": "cosine", "length": dense_length, "segment": segment})
@@ -198,10 +265,13 @@ def run_cell(params: dict) -> dict:
 def _run_cosine(params: dict) -> dict:
     model, layers = layer_attention(params)
     pairwise, anchor, low_norm = [], [], []
+    common: dict[str, list] = {}
     plot_layer, plot_head = _plot_head(model.config)
     picture = None
     for layer, cap, weights in layers:
         received = _received_visible(weights.mean(axis=1))  # (Hkv, T, T) -> (Hkv, T)
+        for name, values in common_query_statistics(cap.k, weights.mean(axis=1)).items():
+            common.setdefault(name, []).append(values)      # per layer, per KV head
         neg_cos = -mean_pairwise_cosine(cap.k)
         unit = _unit(cap.k)
         anchor_score = -(unit @ _unit(unit.mean(axis=1))[:, :, None])[..., 0]
@@ -214,7 +284,7 @@ def _run_cosine(params: dict) -> dict:
             picture = {"layer": layer, "head": plot_head, "cosine": np.round(u @ u.T, 4).tolist(),
                        "received": [float(x) for x in received[plot_head, :64]]}
     return {"spearman_pairwise": pairwise, "spearman_anchor": anchor, "spearman_low_norm": low_norm,
-            "picture": picture}
+            "picture": picture, "common_queries": common}
 
 
 def _run_retention(params: dict) -> dict:
@@ -253,7 +323,7 @@ def _run_hamming(params: dict) -> dict:
 def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Path]:
     """``cosine.csv``, ``log_volume.csv``, ``hamming.csv`` and the Fig. 2 / 4 / 5 pictures."""
     from . import plots
-    from .common import format_spec_label
+    from .common import configuration, format_spec_label
 
     written = []
     cos = [r for r in records if r["params"]["kind"] == "cosine"]
@@ -272,6 +342,9 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
                      "spearman_low_norm": float(np.nanmean(norm))})
         written.append(write_csv(folder / "cosine.csv", rows))
         written += plots.cosine_picture(cos[0]["result"]["picture"], folder)
+        controlled = [r for r in cos if "common_queries" in r["result"]]
+        if controlled:
+            written.append(write_csv(folder / "cosine_common_queries.csv", common_query_rows(controlled)))
 
     ret = [r for r in records if r["params"]["kind"] == "retention" and "skipped" not in r["result"]]
     groups: dict[tuple, list[dict]] = {}
@@ -284,7 +357,8 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
         spread = np.asarray([r["result"]["kept_mean_cosine"] for r in group], dtype=np.float64)
         finite = vol[np.isfinite(vol)]
         distributions[format_spec_label(policy)] = finite
-        rows.append({"policy": policy, "label": format_spec_label(policy), "budget": budget, "block": block,
+        rows.append({"policy": policy, "label": format_spec_label(policy), "configuration": configuration(policy),
+                     "budget": budget, "block": block,
                      "log_volume_mean": float(finite.mean()) if finite.size else float("nan"),
                      "log_volume_median": float(np.median(finite)) if finite.size else float("nan"),
                      "kept_mean_cosine": float(spread.mean()), "prompts": len(group)})
@@ -304,6 +378,33 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
             rows.append({"bits": bits, "pearson_mean": mean, "pearson_std": std, "heads_x_layers_x_prompts": n})
         written.append(write_csv(folder / "hamming.csv", rows))
     return written
+
+
+def common_query_rows(records: list[dict]) -> list[dict]:
+    """One row per statistic of :func:`common_query_statistics`: its mean over prompts, layers
+    and heads, the fraction of (layer, head) cells above zero, and a 95% t interval over
+    prompts (each prompt's mean) when there are >= 2; the shares also as differences
+    distinctive - other, paired over prompts."""
+    per_prompt = {name: [float(np.nanmean(r["result"]["common_queries"][name])) for r in records]
+                  for name in records[0]["result"]["common_queries"]}
+    rows = []
+    for name, values in per_prompt.items():
+        cells_ = np.concatenate([np.ravel(r["result"]["common_queries"][name]) for r in records])
+        row = {"statistic": name, "mean": float(np.mean(values)), "prompts": len(values),
+               "positive_fraction": float(np.mean(cells_[~np.isnan(cells_)] > 0))}
+        if len(values) >= 2:
+            interval = paired_mean_difference(values, np.zeros(len(values)))
+            row.update(low=interval.low, high=interval.high)
+        rows.append(row)
+    for other in ("share_random", "share_recent", "share_low_norm"):
+        a, b = per_prompt["share_distinctive"], per_prompt[other]
+        row = {"statistic": f"share_distinctive - {other}", "mean": float(np.mean(a) - np.mean(b)),
+               "prompts": len(a)}
+        if len(a) >= 2:
+            interval = paired_mean_difference(a, b)
+            row.update(low=interval.low, high=interval.high)
+        rows.append(row)
+    return rows
 
 
 EXPERIMENT = register_experiment(Experiment(

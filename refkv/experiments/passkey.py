@@ -50,8 +50,18 @@ import numpy as np
 
 from ..engine import Engine
 from ..validation import check_float, check_int
-from .common import canonical_spec, default_policies, load_model, mean_std, prefill_or_skip, write_csv
-from .runner import Experiment, Settings, register_experiment
+from .common import (
+    COMPARABLE_BASELINES,
+    canonical_spec,
+    configuration,
+    default_policies,
+    load_model,
+    mean_std,
+    prefill_or_skip,
+    write_csv,
+)
+from .runner import Experiment, Settings, register_experiment, sample_size
+from .stats import mcnemar_exact, paired_proportion_difference, wilson_interval
 
 __all__ = ["EXPERIMENT", "build_prompt", "cells", "run_cell", "summarise"]
 
@@ -150,6 +160,11 @@ def _key(seed: int, length: int, depth: float, sample: int) -> int:
     return int(rng.integers(10000, 100000))
 
 
+#: The comparable baselines the passkey grid adds (the CAOTE ones stay in the perplexity grid,
+#: where CAOTE's claims are): KeyDiff's reserve, L2 protected as HashEvict, H2O without window.
+PASSKEY_BASELINES = tuple(spec for spec in COMPARABLE_BASELINES if not spec.startswith("caote"))
+
+
 # -- the grid ------------------------------------------------------------------------------
 def cells(settings: Settings) -> list[dict]:
     """The grid: prompts x (ceiling + policies x budgets x block sizes)."""
@@ -160,9 +175,15 @@ def cells(settings: Settings) -> list[dict]:
         policies = ["sink", "keydiff"]
         budgets, blocks = ([128] if real else [64]), ([128] if real else [32])
     else:
-        lengths, depths, samples = ([1024, 2048] if real else [512, 1024]), DEPTHS, 1
-        policies = default_policies(("caote:base=h2o",), caote=False)
+        # Prompts per cell spread over the needle depths: 5 -> one per depth, 50 -> ten.
+        lengths, depths = (sample_size(settings, "passkey_lengths") if real else (512, 1024)), DEPTHS
+        samples = -(-sample_size(settings, "passkey_prompts") // len(DEPTHS))
+        policies = default_policies(("caote:base=h2o", *PASSKEY_BASELINES), caote=False)
         budgets, blocks = [256], [128, None]
+    if settings.passkey_lengths is not None:
+        lengths = settings.passkey_lengths
+    if settings.quick and settings.passkey_prompts is not None:
+        depths, samples = DEPTHS, -(-settings.passkey_prompts // len(DEPTHS))
     policies = [canonical_spec(p) for p in (settings.policies or policies)]
     budgets = list(settings.budgets or budgets)
     blocks = list(settings.blocks or blocks)
@@ -239,8 +260,10 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
     for (policy, budget, block), group in groups.items():
         acc, _, n = mean_std(float(r["result"]["correct"]) for r in group)
         keep, _, _ = mean_std(r["result"]["needle_retention"] for r in group)
-        row = {"policy": policy, "budget": budget, "block": "none" if block is None else block,
-               "accuracy": acc, "n": n, "needle_retention": keep,
+        wilson = wilson_interval(sum(bool(r["result"]["correct"]) for r in group), len(group))
+        row = {"policy": policy, "configuration": configuration(policy), "budget": budget,
+               "block": "none" if block is None else block, "accuracy": acc, "acc_low": wilson.low,
+               "acc_high": wilson.high, "n": n, "needle_retention": keep,
                "wall_time_s": sum(r["wall_time_s"] for r in group)}
         for length in lengths:
             sub = [float(r["result"]["correct"]) for r in group if r["params"]["length"] == length]
@@ -251,9 +274,11 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
     for (policy, budget, block), reason in skipped.items():
         rows.append({"policy": policy, "budget": budget, "block": "none" if block is None else block,
                      "n": 0, "skipped": reason})
-    columns = ["policy", "budget", "block", "accuracy", "n", "needle_retention",
+    columns = ["policy", "configuration", "budget", "block", "accuracy", "acc_low", "acc_high", "n",
+               "needle_retention",
                *[f"acc_{length}" for length in lengths], "wall_time_s", "skipped"]
     written = [write_csv(folder / "accuracy.csv", rows, columns)]
+    written.append(write_csv(folder / "pairs.csv", paired_comparisons(done)))
     cell_rows = []
     for r in done:
         p, res = r["params"], r["result"]
@@ -267,6 +292,44 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
 
     written += plots.passkey_heatmaps(done, folder)
     return written
+
+
+def paired_comparisons(records: list[dict]) -> list[dict]:
+    """Every pair of policies at the same budget and block, on the prompts both answered.
+
+    Per pair: the accuracy difference A - B with its 95% paired bootstrap interval over
+    prompts (:func:`~refkv.experiments.stats.paired_proportion_difference`) and McNemar's
+    exact test (:func:`~refkv.experiments.stats.mcnemar_exact`); the no-eviction ceiling
+    (``full``, one per prompt) is paired with every policy.
+    """
+    answers: dict[tuple, dict[tuple, bool]] = {}   # (policy, budget, block) -> {prompt: correct}
+    ceiling: dict[tuple, bool] = {}
+    for r in records:
+        p = r["params"]
+        prompt = (p["length"], p["depth"], p["sample"])
+        if p["policy"] == "full":
+            ceiling[prompt] = bool(r["result"]["correct"])
+        else:
+            answers.setdefault((p["policy"], p["budget"], p["block"]), {})[prompt] = bool(r["result"]["correct"])
+    rows = []
+    keys = sorted(answers, key=lambda k: (str(k[1]), str(k[2]), k[0]))
+    for i, a in enumerate(keys):
+        others = [("full", a[1], a[2])] + [b for b in keys[i + 1:] if b[1:] == a[1:]]
+        for b in others:
+            b_answers = ceiling if b[0] == "full" else answers[b]
+            prompts = sorted(set(answers[a]) & set(b_answers))
+            if not prompts:
+                continue
+            x = [answers[a][q] for q in prompts]
+            y = [b_answers[q] for q in prompts]
+            only_a, only_b, p_value = mcnemar_exact(x, y)
+            diff = paired_proportion_difference(x, y, n_boot=2000)
+            rows.append({"policy_a": a[0], "policy_b": b[0], "budget": a[1],
+                         "block": "none" if a[2] is None else a[2], "prompts": len(prompts),
+                         "acc_a": float(np.mean(x)), "acc_b": float(np.mean(y)), "difference": diff.estimate,
+                         "diff_low": diff.low, "diff_high": diff.high, "only_a": only_a, "only_b": only_b,
+                         "mcnemar_p": p_value})
+    return rows
 
 
 EXPERIMENT = register_experiment(Experiment(

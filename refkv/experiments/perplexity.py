@@ -19,10 +19,20 @@ Notes
 * **Equal budgets across the two engine modes.** A policy that evicts *after* attention
   (sink, TOVA, H2O, KeyDiff, ...) lets a block attend to up to ``N + B`` keys; one that
   evicts *before* it (HashEvict, MAT: their papers' per-token algorithms) to ``N``. At
-  ``B = 32`` this favours the former by up to ``B`` keys, so the default grid also runs
-  sink, MAT, HashEvict and L2 token by token (``B = 1``, first segment, smallest budget),
-  where the two modes differ by one key; their gaps are paired with the dense run of
-  the same text (at ``B = 32``: without a budget the block size changes only rounding).
+  ``B = 32`` this favours the former by up to ``B`` keys, so the default grid shows both
+  fair comparisons: every evict-after policy also at budget ``N - B`` (equal peak memory,
+  ``peak_cache_tokens`` in the table, the pairs in ``ppl_pairs.csv``), and sink, MAT,
+  HashEvict and L2 (plain and with HashEvict's protection) token by token (``B = 1``,
+  every text, smallest budget), where the two modes differ by one key; their gaps are
+  paired with the dense run of the same text (at ``B = 32``: without a budget the block
+  size changes only rounding).
+* **Comparable baselines.** Beside each policy's default the grid runs
+  :data:`~refkv.experiments.common.COMPARABLE_BASELINES` and MAT's beta x L_s grid; the
+  ``configuration`` column spells out every parameter and ``best_of_grid`` marks MAT's
+  best cell per budget and block (MAT Sec. 5.1 reports its best beta).
+* **Intervals.** ``gap_low`` / ``gap_high``: the 95% paired block bootstrap of the pooled
+  gap over all texts (blocks of 64 tokens resampled within each text), ``tokens`` its
+  sample size; ``gap_interval`` is rounded to the digits the interval supports.
 * **Positions.** Keys keep their original RoPE positions (the seed papers' setting);
   MAT's StreamingLLM-style position rolling is not used. All prompts are inside
   SmolLM2's 8K training window, where rolling is not needed.
@@ -39,21 +49,30 @@ from pathlib import Path
 
 import numpy as np
 
+from ..model.config import TINY
 from .common import (
+    COMPARABLE_BASELINES,
     FAST_CAOTE,
+    best_of_grid,
+    configuration,
     default_policies,
+    equal_memory_budget,
     format_spec_label,
     grid_axes,
     load_model,
+    make_policy,
+    mat_grid,
     mean_std,
+    parse_spec,
     prefill_or_skip,
     prose_tokens,
     write_csv,
 )
 from .plots import _none_last
-from .runner import Experiment, Settings, register_experiment
+from .runner import Experiment, Settings, register_experiment, sample_size
+from .stats import perplexity_gap
 
-__all__ = ["EXPERIMENT", "cells", "run_cell", "summarise", "token_nll"]
+__all__ = ["EXPERIMENT", "cells", "paired_gaps", "run_cell", "summarise", "supported_digits", "token_nll"]
 
 #: Policies the default grid also runs token by token (B = 1): MAT vs sink, HashEvict vs L2.
 TOKEN_BY_TOKEN = ("sink", "mat", "hashevict", "knorm")
@@ -68,19 +87,28 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 
 def cells(settings: Settings) -> list[dict]:
-    """The grid: text segments x (dense + policies x budgets x block sizes)."""
+    """The grid: text segments x (dense + policies x budgets x block sizes).
+
+    The default (and ``full``) grid adds, beside each policy's default configuration, the
+    comparable baselines of :data:`~refkv.experiments.common.COMPARABLE_BASELINES`, MAT's
+    grid over beta x L_s (:func:`~refkv.experiments.common.mat_grid`), every policy that
+    evicts after attention also at budget ``N - B`` (equal peak memory with the evict-before
+    policies at ``N``, :func:`~refkv.experiments.common.equal_memory_budget`), and the
+    token-by-token (``B = 1``) cells of :data:`TOKEN_BY_TOKEN` on every text.
+    """
     model = settings.resolved_model()
     real = model != "tiny"
+    texts = sample_size(settings, "texts")
+    length = settings.text_length or (sample_size(settings, "text_length") if real or settings.quick else 512)
     if settings.quick:
-        length, segments = (256 if real else 192), (0,)
+        length = settings.text_length or (256 if real else 192)
         policies, budgets, blocks_ = ["sink", "keydiff"], ([64] if real else [48]), [16]
     else:
-        length, segments = (1024 if real else 512), (0, 1)
-        policies, budgets, blocks_ = default_policies(FAST_CAOTE), [128, 256], [32]
+        policies, budgets, blocks_ = default_policies((*FAST_CAOTE, *COMPARABLE_BASELINES)), [128, 256], [32]
     default_grid = not (settings.quick or settings.policies or settings.budgets or settings.blocks)
     policies, budgets, blocks_ = grid_axes(settings, policies, budgets, blocks_)
     out = []
-    for segment in segments:
+    for segment in range(texts):
         base = {"model": model, "dtype": settings.dtype, "seed": settings.seed, "text": "pydoc_prose",
                 "length": length, "segment": segment}
         for block in blocks_:
@@ -88,13 +116,23 @@ def cells(settings: Settings) -> list[dict]:
             for policy in policies:
                 if policy != "full":
                     out.extend({**base, "policy": policy, "budget": budget, "block": block} for budget in budgets)
-    if default_grid:
+        if not default_grid:
+            continue
+        n_layers = TINY.n_layers if model == "tiny" else None
+        for block in blocks_:
+            for budget in budgets:
+                # MAT Sec. 5.1's search (its default beta = N // 4, L_s = 2 is in the list already).
+                out.extend({**base, "policy": spec, "budget": budget, "block": block}
+                           for spec in mat_grid(budget, n_layers) if spec not in policies)
+                # Equal peak memory: the evict-after policies at N - B.
+                for policy in policies:
+                    matched = equal_memory_budget(policy, budget, block)
+                    if matched is not None and matched not in budgets:
+                        out.append({**base, "policy": policy, "budget": matched, "block": block})
         # Token by token (B = 1, MAT's and HashEvict's own setting) for the pairs whose claims
         # compare a policy that evicts before attention with one that evicts after it.
-        base = {"model": model, "dtype": settings.dtype, "seed": settings.seed, "text": "pydoc_prose",
-                "length": length, "segment": 0}
-        for policy in default_policies():
-            if policy in TOKEN_BY_TOKEN:
+        for policy in policies:
+            if parse_spec(policy)[0] in TOKEN_BY_TOKEN:
                 out.append({**base, "policy": policy, "budget": min(budgets), "block": 1})
     return out
 
@@ -127,13 +165,17 @@ def run_cell(params: dict) -> dict:
               "evicted_tokens": len(evicted), "nll_evicted_sum": float(evicted.sum()),
               "ppl_evicted": float(math.exp(evicted.mean())) if len(evicted) else None,
               "peak_cache_tokens": int(engine.stats.peak_cache_tokens)}
-    if budget is None:  # the dense reference keeps every token's loss, for any budget's suffix
-        result["nll"] = [float(x) for x in nll]
+    # Every token's loss: the dense reference's for any budget's suffix, a policy's for the
+    # paired block bootstrap of its gap (refkv.experiments.stats.perplexity_gap).
+    result["nll"] = [float(x) for x in nll]
     return result
 
 
 def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Path]:
-    """``ppl.csv`` (per policy, budget, block: mean over segments of ppl and of its gap to dense)."""
+    """``ppl.csv``: per policy, budget and block, the perplexity gap to dense with its 95%
+    interval (paired block bootstrap over tokens, blocks of 64 resampled within each text:
+    :func:`refkv.experiments.stats.perplexity_gap`), the configuration every parameter
+    spells out, the peak cache size, and MAT's best cell of its grid."""
     dense = {(r["params"]["segment"], r["params"]["block"]): r["result"] for r in records
              if r["params"]["policy"] == "full"}
     groups: dict[tuple, list[dict]] = {}
@@ -145,36 +187,95 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
     rows = []
     for block in sorted({k[1] for k in dense}, key=lambda b: -1 if b is None else b):
         sub = [v for (s, b), v in dense.items() if b == block]
-        rows.append({"policy": "full", "label": "no eviction", "budget": None, "block": block,
+        rows.append({"policy": "full", "label": "no eviction", "configuration": "", "budget": None, "block": block,
                      "ppl": mean_std(v["ppl"] for v in sub)[0], "delta_ppl": 0.0, "delta_ppl_std": 0.0,
                      "ppl_evicted": None, "delta_ppl_evicted": None, "segments": len(sub)})
     for (policy, budget, block), group in groups.items():
-        deltas, deltas_ev, ppls, ppls_ev = [], [], [], []
-        for r in group:
+        deltas, deltas_ev, ppls, ppls_ev, pairs = [], [], [], [], []
+        for r in sorted(group, key=lambda r: r["params"]["segment"]):
             ref = dense.get((r["params"]["segment"], block)) or _any_block(dense, r["params"]["segment"])
             res = r["result"]
             ppls.append(res["ppl"])
             if ref is None:
                 continue
             deltas.append(res["ppl"] - ref["ppl"])
+            if "nll" in res and "nll" in ref and len(res["nll"]) == len(ref["nll"]):
+                pairs.append((res["nll"], ref["nll"]))
             if res["evicted_tokens"]:
                 ref_ev = math.exp(float(np.mean(ref["nll"][r["params"]["budget"]:])))
                 ppls_ev.append(res["ppl_evicted"])
                 deltas_ev.append(res["ppl_evicted"] - ref_ev)
         d_mean, d_std, n = mean_std(deltas)
-        rows.append({"policy": policy, "label": format_spec_label(policy), "budget": budget, "block": block,
-                     "ppl": mean_std(ppls)[0], "delta_ppl": d_mean, "delta_ppl_std": d_std,
-                     "ppl_evicted": mean_std(ppls_ev)[0], "delta_ppl_evicted": mean_std(deltas_ev)[0],
-                     "segments": n, "wall_time_s": sum(r["wall_time_s"] for r in group)})
+        row = {"policy": policy, "label": format_spec_label(policy), "configuration": configuration(policy),
+               "budget": budget, "block": block, "peak_cache_tokens": max(r["result"]["peak_cache_tokens"]
+                                                                        for r in group),
+               "ppl": mean_std(ppls)[0], "delta_ppl": d_mean, "delta_ppl_std": d_std,
+               "ppl_evicted": mean_std(ppls_ev)[0], "delta_ppl_evicted": mean_std(deltas_ev)[0],
+               "segments": n, "wall_time_s": sum(r["wall_time_s"] for r in group)}
+        row.update(_gap_interval(pairs))
+        rows.append(row)
+    best_of_grid(rows, "mat", by="delta_ppl")
     rows.sort(key=lambda r: (_none_last(r["budget"]), _none_last(r["block"]), r["policy"] != "full",
                              r["delta_ppl"] if r["delta_ppl"] is not None else 0.0))
-    columns = ["policy", "label", "budget", "block", "ppl", "delta_ppl", "delta_ppl_std", "ppl_evicted",
-               "delta_ppl_evicted", "segments", "wall_time_s"]
+    columns = ["policy", "label", "configuration", "budget", "block", "peak_cache_tokens", "ppl", "delta_ppl",
+               "gap_low", "gap_high", "gap_interval", "tokens", "delta_ppl_std", "ppl_evicted",
+               "delta_ppl_evicted", "segments", "best_of_grid", "wall_time_s"]
     written = [write_csv(folder / "ppl.csv", rows, columns)]
+    written.append(write_csv(folder / "ppl_pairs.csv", paired_gaps(records)))
     from . import plots
 
     written += plots.perplexity_bars(rows, folder)
     return written
+
+
+def paired_gaps(records: list[dict]) -> list[dict]:
+    """``ppl(A) - ppl(B)`` with its 95% paired block-bootstrap interval, for every pair of
+    policies at the same budget and block on the texts both ran (``comparison`` = "same
+    budget"), and for every evict-before policy at ``N`` against every evict-after policy at
+    ``N - B`` (``"equal peak memory"``, see :func:`~refkv.experiments.common.equal_memory_budget`)."""
+    nll: dict[tuple, dict[int, list]] = {}
+    for r in records:
+        p, res = r["params"], r["result"]
+        if p["policy"] != "full" and "nll" in res:
+            nll.setdefault((p["policy"], p["budget"], p["block"]), {})[p["segment"]] = res["nll"]
+    keys = sorted(nll, key=lambda k: (_none_last(k[1]), _none_last(k[2]), k[0]))
+    candidates = [(a, b, "same budget") for i, a in enumerate(keys) for b in keys[i + 1:] if a[1:] == b[1:]]
+    for a in keys:
+        if make_policy(a[0]).evict_before_attention and a[1] is not None and a[2] is not None:
+            candidates += [(a, b, "equal peak memory") for b in keys
+                           if b[2] == a[2] and b[1] == a[1] - a[2] and not make_policy(b[0]).evict_before_attention]
+    rows = []
+    for a, b, comparison in candidates:
+        texts = sorted(set(nll[a]) & set(nll[b]))
+        if not texts or any(len(nll[a][s]) != len(nll[b][s]) for s in texts):
+            continue
+        interval = perplexity_gap([nll[a][s] for s in texts], [nll[b][s] for s in texts], block=64)
+        rows.append({"policy_a": a[0], "budget_a": a[1], "policy_b": b[0], "budget_b": b[1], "block": a[2],
+                     "comparison": comparison, "texts": len(texts), "tokens": interval.n,
+                     "difference": interval.estimate, "low": interval.low, "high": interval.high,
+                     "interval": interval.format(supported_digits(interval.high - interval.low))})
+    return rows
+
+
+def _gap_interval(pairs: list[tuple[list, list]]) -> dict:
+    """The pooled gap ``ppl(policy) - ppl(dense)`` over the paired texts with its 95% paired block
+    bootstrap interval, rounded to what the interval supports; empty without per-token losses
+    (records written before they were kept)."""
+    if not pairs:
+        return {}
+    interval = perplexity_gap([a for a, _ in pairs], [b for _, b in pairs], block=64)
+    digits = supported_digits(interval.high - interval.low)
+    return {"gap_low": interval.low, "gap_high": interval.high, "tokens": interval.n,
+            "gap_interval": interval.format(digits)}
+
+
+def supported_digits(width: float) -> int:
+    """Decimals an estimate with an interval of ``width`` supports: the interval's first
+    significant digit, plus one (0 to 4 decimals). A width of 2.3 gives 1 (``+5.2``), 0.04
+    gives 3 (``+0.213``)."""
+    if not math.isfinite(width) or width <= 0:
+        return 4
+    return max(0, min(4, 1 - math.floor(math.log10(width))))
 
 
 EXPERIMENT = register_experiment(Experiment(

@@ -65,6 +65,7 @@ __all__ = [
     "read_records",
     "register_experiment",
     "run",
+    "sample_size",
 ]
 
 #: Environment variables that cap the BLAS/OpenMP threads of a worker process.
@@ -93,6 +94,22 @@ class Settings:
         Block sizes ``B`` replacing the default list (``None`` = one-shot prefill).
     seed : int
         Base seed of everything random in the grid (needles, prompts, projections).
+    full : bool
+        The powered grid of issue 16 (:data:`FULL`): at least 8 perplexity texts of 1,024
+        tokens, 50 passkey prompts per cell at 1K, 2K and 4K tokens, 10 prompts for output
+        error, attention loss and the Fig. 2 statistics. Hours of CPU: run it with ``--jobs`` or ``--scheduler``.
+    texts : int or None
+        Perplexity texts (non-overlapping prose segments) per cell; None: the grid's default.
+    text_length : int or None
+        Tokens per perplexity text; None: the grid's default.
+    passkey_prompts : int or None
+        Passkey prompts per cell, spread evenly over the needle depths (rounded up to a
+        multiple of their number); None: the grid's default.
+    passkey_lengths : tuple of int or None
+        Passkey prompt lengths in tokens; None: the grid's default.
+    output_prompts : int or None
+        Prompts of the output-error, attention-loss and (when given, or with ``full``) Fig. 2
+        cosine cells; None: the grid's default.
     """
 
     quick: bool = False
@@ -102,9 +119,24 @@ class Settings:
     budgets: tuple[int | None, ...] | None = None
     blocks: tuple[int | None, ...] | None = None
     seed: int = 0
+    full: bool = False
+    texts: int | None = None
+    text_length: int | None = None
+    passkey_prompts: int | None = None
+    passkey_lengths: tuple[int, ...] | None = None
+    output_prompts: int | None = None
 
     def __post_init__(self):
         check_choice("dtype", self.dtype, ("float32", "float64"))
+        if self.quick and self.full:
+            raise ValueError("quick and full are exclusive: choose the tiny grid or the powered one")
+        for name in ("texts", "passkey_prompts", "output_prompts"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        if self.text_length is not None:
+            check_int("text_length", self.text_length, 2)
+        for value in self.passkey_lengths or ():
+            check_int("passkey_lengths", value, 64)
         for name in ("budgets", "blocks"):
             for value in getattr(self, name) or ():
                 if value is not None:
@@ -118,6 +150,26 @@ class Settings:
         if self.model is not None:
             return self.model
         return "smollm2" if smollm2_installed() else "tiny"
+
+
+#: Sample sizes of the three grids: (quick, default, full) per setting, for the real model.
+#: The tiny model's default grid halves the lengths (its context is 2,048 tokens).
+SAMPLE_SIZES = {
+    "texts": (1, 2, 8),
+    "text_length": (256, 1024, 1024),
+    "passkey_prompts": (1, 5, 50),
+    "passkey_lengths": ((512,), (1024, 2048), (1024, 2048, 4096)),
+    "output_prompts": (1, 2, 10),
+}
+
+
+def sample_size(settings: Settings, name: str):
+    """The setting ``name`` of :data:`SAMPLE_SIZES`: the user's value, else the grid's (quick,
+    default or full)."""
+    value = getattr(settings, name)
+    if value is not None:
+        return value
+    return SAMPLE_SIZES[name][0 if settings.quick else 2 if settings.full else 1]
 
 
 def check_policy_specs(specs, option: str = "policies") -> None:

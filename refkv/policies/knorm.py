@@ -23,6 +23,10 @@ Notes
 * **Budget.** The authors keep a ratio of the tokens once, after the prompt; refkv keeps
   ``N`` tokens per layer and KV head at every eviction (block prompt processing).
 * **GQA.** Keys are per KV head; the query heads play no part.
+* **Protected tokens (optional).** ``sink`` first tokens and ``recent`` most recent
+  tokens can be protected, as HashEvict protects its first 4 and last 10 (HashEvict
+  Sec. 4); the defaults (0, 0) are the authors' rule, which protects nothing. The option
+  exists so experiments can compare L2 and HashEvict under the same protection.
 """
 
 from __future__ import annotations
@@ -58,6 +62,11 @@ class Knorm(Policy):
         example skips ``(0, 1)``.
     skip_sink : int, default 4
         Sink tokens of the skipped layers' fallback.
+    sink : int, default 0
+        First tokens protected on the norm-rule layers (HashEvict's setting: 4).
+    recent : int, default 0
+        Most recent tokens protected on the norm-rule layers (HashEvict's setting: 10).
+        ``sink + recent`` must be smaller than the budget.
     """
 
     name = "knorm"
@@ -74,6 +83,8 @@ class Knorm(Policy):
 
     skip_layers: tuple = ()
     skip_sink: int = 4
+    sink: int = 0
+    recent: int = 0
 
     def __post_init__(self):
         if isinstance(self.skip_layers, (str, bytes)) or not hasattr(self.skip_layers, "__iter__"):
@@ -83,6 +94,8 @@ class Knorm(Policy):
             raise ValueError(f"skip_layers must not repeat a layer, got {self.skip_layers!r}")
         object.__setattr__(self, "skip_layers", tuple(sorted(layers)))
         check_int("skip_sink", self.skip_sink, 0)
+        check_int("sink", self.sink, 0)
+        check_int("recent", self.recent, 0)
 
     def check(self, budget: int, config: ModelConfig) -> None:
         bad = [layer for layer in self.skip_layers if layer >= config.n_layers]
@@ -92,6 +105,18 @@ class Knorm(Policy):
         if self.skip_layers and budget <= self.skip_sink:
             raise ValueError(f"budget must be > skip_sink={self.skip_sink} (room for the skipped layers' "
                              f"recent window), got {budget}")
+        if self.sink + self.recent and budget <= self.sink + self.recent:
+            raise ValueError(f"budget must be > sink + recent = {self.sink + self.recent} (room for a "
+                             f"norm-ranked token), got {budget}")
+
+    def params(self) -> dict:
+        """Parameters as a plain dict; ``sink`` and ``recent`` only when one is set, so the
+        authors' rule has the parameters it had before the option existed (the golden files
+        and the oracle's default-parameters filter compare these dicts)."""
+        params = super().params()
+        if not (self.sink or self.recent):
+            del params["sink"], params["recent"]
+        return params
 
     def skipped(self, layer: int) -> bool:
         """Whether ``layer`` uses the sink + window fallback instead of the norm rule."""
@@ -105,4 +130,4 @@ class Knorm(Policy):
     def protected(self, view: View) -> np.ndarray:
         if self.skipped(view.layer):
             return first_tokens(view, self.skip_sink) | recent_tokens(view, view.keep - self.skip_sink)
-        return np.zeros(view.positions.shape, dtype=bool)
+        return first_tokens(view, self.sink) | recent_tokens(view, self.recent)
