@@ -8,10 +8,12 @@ says where.
 
 from __future__ import annotations
 
+import io
 import os
 import sys
-import tempfile
 from pathlib import Path
+
+from .files import atomic_write
 
 __all__ = ["FIGURES_VARIABLE", "save_figures"]
 
@@ -62,14 +64,9 @@ def save_figures(script=None, folder=None, *, dpi: int = 100, stream=None) -> li
     written = []
     for index, number in enumerate(numbers, start=1):
         path = target / f"{script.stem}-{index}.png"
-        fd, tmp = tempfile.mkstemp(dir=target, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            plt.figure(number).savefig(tmp, format="png", dpi=dpi)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        buffer = io.BytesIO()
+        plt.figure(number).savefig(buffer, format="png", dpi=dpi)
+        atomic_write(path, buffer.getvalue())
         written.append(path)
         print(f"saved figure {index} of {len(numbers)}: {path}", file=stream)
     return written

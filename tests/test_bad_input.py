@@ -24,7 +24,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refkv import policies
+from refkv import files, policies
 from refkv.attention import attend
 from refkv.cli import main
 from refkv.engine import Engine
@@ -89,7 +89,7 @@ def test_attack_13_03_plots_written_atomically(tmp_path, monkeypatch):
     from refkv.experiments import common
 
     table = common.write_csv(folder / "t.csv", [{"a": 1}])
-    monkeypatch.setattr(common.os, "replace", lambda *args: (_ for _ in ()).throw(Killed()))
+    monkeypatch.setattr(files.os, "replace", lambda *args: (_ for _ in ()).throw(Killed()))
     with pytest.raises(Killed):
         common.write_csv(table, [{"a": 2}] * 1000)
     assert table.read_text() == "a\n1\n"
@@ -100,7 +100,7 @@ def test_atomic_plots_are_complete_and_readable(tmp_path):
     """The atomic route still writes real PNG/SVG files, with the umask's permissions."""
     pytest.importorskip("matplotlib")
     from refkv.experiments import plots
-    from refkv.experiments.common import file_mode
+    from refkv.files import file_mode
 
     plt = plots._pyplot()
     fig, ax = plt.subplots()

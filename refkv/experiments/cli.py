@@ -194,12 +194,9 @@ def summary_table(name: str, out) -> str | None:
 
 def _publish(out, target, names) -> None:
     """Copy the CSV tables and PNG/SVG plots of ``names`` from ``out`` to ``target`` (atomically per file)."""
-    import os
-    import shutil
-    import tempfile
     from pathlib import Path
 
-    from .common import file_mode
+    from ..files import atomic_write
 
     for name in names:
         source, dest = Path(out) / name, Path(target) / name
@@ -207,8 +204,4 @@ def _publish(out, target, names) -> None:
         for path in sorted(source.glob("*")):
             if path.suffix not in (".csv", ".png", ".svg"):
                 continue
-            fd, tmp = tempfile.mkstemp(dir=dest, prefix=f".{path.name}.", suffix=".tmp")
-            os.close(fd)
-            shutil.copyfile(path, tmp)
-            os.chmod(tmp, file_mode())
-            os.replace(tmp, dest / path.name)
+            atomic_write(dest / path.name, path.read_bytes())

@@ -21,12 +21,9 @@ length ``T`` is tokens ``[s T, (s + 1) T)`` of that stream, so segments never ov
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +31,7 @@ import numpy as np
 
 from .. import policies
 from ..attention import attend
+from ..files import atomic_write
 from ..policies.spec import canonical_spec, make_policy, parse_spec
 
 __all__ = [
@@ -360,27 +358,8 @@ def write_csv(path, rows: list[dict], columns: list[str] | None = None) -> Path:
 
 
 def write_text(path, text: str) -> Path:
-    """Write ``text`` atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, file_mode())  # mkstemp makes 0600; a table is as readable as any written file
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def file_mode() -> int:
-    """Permissions an ordinary new file gets here (0666 minus the umask)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
+    """Write ``text`` atomically (:func:`refkv.files.atomic_write`)."""
+    return atomic_write(path, text)
 
 
 def mean_std(values) -> tuple[float, float, int]:

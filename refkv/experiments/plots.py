@@ -9,13 +9,12 @@ atomically (temporary file + ``os.replace``).
 
 from __future__ import annotations
 
-import contextlib
 import io
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from ..files import atomic_write
 
 __all__ = ["alr_lines", "available", "cosine_picture", "log_volume_boxes", "output_error_lines", "passkey_heatmaps",
            "pca_scatter", "perplexity_bars"]
@@ -54,26 +53,10 @@ def _save(fig, folder: Path, stem: str) -> list[Path]:
             # the previous file (or none), never half a figure.
             buffer = io.BytesIO()
             fig.savefig(buffer, format=path.suffix[1:], bbox_inches="tight", **options)
-            _write_bytes(path, buffer.getvalue())
+            atomic_write(path, buffer.getvalue())
     finally:
         plt.close(fig)
     return paths
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: a temporary file in the same folder, then ``os.replace``."""
-    from .common import file_mode
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, file_mode())  # mkstemp makes 0600; a plot is as readable as any written file
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _none_last(value) -> float:

@@ -18,13 +18,13 @@ import json
 import math
 import os
 import stat
-import tempfile
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
+from ..files import atomic_write as _atomic_write
 from .schema import ARRAY_DTYPES
 
 __all__ = ["atomic_write", "dumps", "npz_bytes", "read_json", "read_npz", "sha256", "write_json", "write_npz"]
@@ -33,35 +33,9 @@ __all__ = ["atomic_write", "dumps", "npz_bytes", "read_json", "read_npz", "sha25
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 
 
-def _umask() -> int:
-    """The process's file-creation mask (read by setting it and restoring it at once)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def atomic_write(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file in the same directory + rename).
-
-    The file gets the permissions a plain ``open(path, "w")`` would give (``0o666`` less
-    the umask: 0644 under umask 022), not the 0600 of a temporary file.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    """Write ``data`` to ``path`` atomically (:func:`refkv.files.atomic_write`)."""
+    _atomic_write(path, data)
 
 
 def _is_encoded_array(obj) -> bool:

@@ -9,12 +9,11 @@ class's ``citation``, ``score_rule``, ``protects``, ``implements``, ``needs`` an
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
+from ..files import atomic_write
 from .base import Policy, available, policy_class
 
 __all__ = ["docs_table", "ordered_classes", "readme_table", "replace_block", "update_files"]
@@ -98,15 +97,7 @@ def replace_block(text: str, which: str, table: str) -> str:
 
 
 def _write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, text)
 
 
 def update_files(root: Path, *, write: bool = True) -> list[Path]:
