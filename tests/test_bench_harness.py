@@ -191,3 +191,23 @@ def test_compare_says_how_to_install_torch_when_missing(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_torch)
     with pytest.raises(SystemExit, match=r'pip install -e "\.\[interop\]".*torch==2\.13\.0'):
         compare.import_torch()
+
+
+def test_contention_measures_both_counts_and_reports_the_thread_choice(tiny32, monkeypatch):
+    import sys
+    import types
+
+    contention = _load_script("contention")
+    prompt = list(range(3, 19))
+    fake = types.ModuleType("refkv.threads")
+    fake.choose_threads = lambda config: types.SimpleNamespace(n=2, reason="fake")
+    monkeypatch.setitem(sys.modules, "refkv.threads", fake)
+    result = contention.measure(tiny32, prompt, 8, 1)
+    assert set(result["conditions"]) == set(contention.CONDITIONS)
+    for c in result["conditions"].values():
+        assert c["choice"] == {"n": 2, "reason": "fake"} and all(s > 0 for s in c["median_seconds"].values())
+    assert "2 thread(s)" in contention.report(result, len(prompt))
+
+    monkeypatch.setitem(sys.modules, "refkv.threads", None)  # the module missing: the column says so
+    result = contention.measure(tiny32, prompt, 8, 1, conditions=("as is",))
+    assert "refkv.threads" in result["note"] and "n/a" in contention.report(result, len(prompt))
