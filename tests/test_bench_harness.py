@@ -211,3 +211,13 @@ def test_contention_measures_both_counts_and_reports_the_thread_choice(tiny32, m
     monkeypatch.setitem(sys.modules, "refkv.threads", None)  # the module missing: the column says so
     result = contention.measure(tiny32, prompt, 8, 1, conditions=("as is",))
     assert "refkv.threads" in result["note"] and "n/a" in contention.report(result, len(prompt))
+
+
+@pytest.mark.slow  # two `refkv experiment` subprocesses: ~10 s on a loaded 2-core machine
+def test_throughput_counts_cells_and_their_cpu_time(tmp_path):
+    throughput = _load_script("throughput")
+    result = throughput.main(["--model", "tiny", "--experiments", "perplexity", "--options",
+                              "--quick --policies keydiff", "--out", str(tmp_path / "t.json")])
+    (run,) = result["runs"]["this checkout"]
+    assert run["cells"] >= 1 and run["cpu_seconds"] > 0
+    assert math.isclose(result["rate"]["this checkout"], 3600 * run["cells"] / run["cpu_seconds"])
