@@ -15,7 +15,10 @@ transformers runs twice, with ``eager`` and with ``sdpa`` attention. Everything 
 same BLAS thread count (``--threads``, default 1: ``torch.set_num_threads`` and
 threadpoolctl for NumPy). Repetitions are interleaved (refkv, eager, sdpa, then again),
 so a burst of load on a shared machine hits all three; the table gives medians of
-tokens/s and refkv's ratio to each. The greedy tokens of all three are compared too.
+tokens/s and refkv's speed-up over each (their time / refkv's, paired by repetition).
+Times are taken by the process's CPU time, steady on a machine shared with other work
+(with one thread it equals the wall time of an idle machine), and the wall-time
+speed-ups are printed beside them. The greedy tokens of all three are compared too.
 
 Run ``python bench/compare.py`` (a few minutes on 2 cores; ``--lengths 2048,8192`` for
 both lengths, several more). It needs torch and transformers: ``pip install -e
@@ -89,16 +92,25 @@ def transformers_model(model, attention: str):
     return hf
 
 
+def now() -> dict:
+    """Both clocks: wall time and this process's CPU time (all its threads)."""
+    return {"wall": time.perf_counter(), "cpu": time.process_time()}
+
+
+def _between(start: dict, end: dict) -> dict:
+    return {clock: end[clock] - start[clock] for clock in start}
+
+
 def run_refkv(model, prompt, block: int, decode_tokens: int) -> dict:
     from refkv.engine import Engine
 
     engine = Engine(model)
-    start = time.perf_counter()
+    start = now()
     logits = engine.prefill(prompt, block)
-    middle = time.perf_counter()
+    middle = now()
     tokens = engine.generate(logits, decode_tokens + 1)  # decode_tokens forward steps after the first
-    end = time.perf_counter()
-    return {"prefill_seconds": middle - start, "decode_seconds": end - middle, "tokens": tokens}
+    end = now()
+    return {"prefill_seconds": _between(start, middle), "decode_seconds": _between(middle, end), "tokens": tokens}
 
 
 def run_transformers(hf, prompt, block: int, decode_tokens: int) -> dict:
@@ -106,31 +118,34 @@ def run_transformers(hf, prompt, block: int, decode_tokens: int) -> dict:
     ids = torch.tensor(np.asarray(prompt, dtype=np.int64)[None, :])
     with torch.inference_mode():
         cache = transformers.DynamicCache(config=hf.config)
-        start = time.perf_counter()
+        start = now()
         for i in range(0, ids.shape[1], block):
             out = hf(input_ids=ids[:, i:i + block], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        middle = time.perf_counter()
+        middle = now()
         token = int(out.logits[0, -1].argmax())
         tokens = [token]
         for _ in range(decode_tokens):
             out = hf(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
             token = int(out.logits[0, -1].argmax())
             tokens.append(token)
-        end = time.perf_counter()
-    return {"prefill_seconds": middle - start, "decode_seconds": end - middle, "tokens": tokens}
+        end = now()
+    return {"prefill_seconds": _between(start, middle), "decode_seconds": _between(middle, end), "tokens": tokens}
 
 
-def summarise(runs: dict, lengths, decode_tokens: int) -> dict:
-    """Median tokens/s per (implementation, length) and refkv's ratio to each."""
+def summarise(runs: dict, lengths, decode_tokens: int, clock: str = "cpu") -> dict:
+    """Median tokens/s per (implementation, length) and refkv's speed-up over each, timed by ``clock``.
+
+    The speed-up is the median over repetitions of (their seconds / refkv's seconds) in the
+    same repetition, so each ratio compares runs made moments apart.
+    """
     med = statistics.median
     out = {}
     for length in lengths:
         key = str(length)
-        rates = {impl: {"prefill": med(length / r["prefill_seconds"] for r in runs[impl][key]),
-                        "decode": med(decode_tokens / r["decode_seconds"] for r in runs[impl][key])}
+        rates = {impl: {"prefill": med(length / r["prefill_seconds"][clock] for r in runs[impl][key]),
+                        "decode": med(decode_tokens / r["decode_seconds"][clock] for r in runs[impl][key])}
                  for impl in runs}
-        # the ratio of medians of paired runs: each repetition's refkv run against the same repetition's
-        ratios = {impl: {phase: med(r[f"{phase}_seconds"] / o[f"{phase}_seconds"]
+        ratios = {impl: {phase: med(r[f"{phase}_seconds"][clock] / o[f"{phase}_seconds"][clock]
                                     for r, o in zip(runs[impl][key], runs["refkv"][key]))
                          for phase in ("prefill", "decode")} for impl in runs if impl != "refkv"}
         same = {impl: all(r["tokens"] == o["tokens"] for r, o in zip(runs[impl][key], runs["refkv"][key]))
@@ -139,17 +154,25 @@ def summarise(runs: dict, lengths, decode_tokens: int) -> dict:
     return out
 
 
-def report(summary: dict, threads: int) -> str:
+def report(summary: dict, threads: int, wall: dict | None = None) -> str:
+    """The table: rates and speed-ups of ``summary``; with ``wall``, the wall-clock speed-ups beside."""
     rows = []
     for length, s in summary.items():
         for impl, rate in s["rates"].items():
             ratio = s["ratios"].get(impl)
-            rows.append([length, threads, impl, f"{rate['prefill']:.0f}", f"{rate['decode']:.1f}",
-                         "1" if ratio is None else f"{ratio['prefill']:.2f}",
-                         "1" if ratio is None else f"{ratio['decode']:.2f}",
-                         "" if impl == "refkv" else ("yes" if s["same_tokens"][impl] else "no")])
-    return rst_table(["prompt tokens", "threads", "implementation", "prefill tok/s", "decode tok/s",
-                      "refkv speed-up, prefill", "refkv speed-up, decode", "same greedy tokens"], rows)
+            cells = [length, threads, impl, f"{rate['prefill']:.0f}", f"{rate['decode']:.1f}",
+                     "1" if ratio is None else f"{ratio['prefill']:.2f}",
+                     "1" if ratio is None else f"{ratio['decode']:.2f}"]
+            if wall is not None:
+                w = wall[length]["ratios"].get(impl)
+                cells.append("1" if w is None else f"{w['prefill']:.2f} / {w['decode']:.2f}")
+            cells.append("" if impl == "refkv" else ("yes" if s["same_tokens"][impl] else "no"))
+            rows.append(cells)
+    headers = ["prompt tokens", "threads", "implementation", "prefill tok/s", "decode tok/s",
+               "refkv speed-up, prefill", "refkv speed-up, decode"]
+    if wall is not None:
+        headers.append("speed-up by wall time (prefill / decode)")
+    return rst_table([*headers, "same greedy tokens"], rows)
 
 
 def _lengths(text: str) -> list[int]:
@@ -202,14 +225,16 @@ def main(argv=None) -> dict:
                         run = run_transformers(hf[impl], prompt, args.block, args.decode_tokens)
                     runs[impl][str(length)].append(run)
                     print(f"repetition {rep + 1}/{args.repeats}, {length} tokens, {impl}: prefill "
-                          f"{run['prefill_seconds']:.2f} s, decode {run['decode_seconds']:.2f} s", file=sys.stderr)
-    summary = summarise(runs, args.lengths, args.decode_tokens)
+                          f"{run['prefill_seconds']['cpu']:.2f} CPU s ({run['prefill_seconds']['wall']:.2f} s), "
+                          f"decode {run['decode_seconds']['cpu']:.2f} CPU s", file=sys.stderr)
+    summary = {clock: summarise(runs, args.lengths, args.decode_tokens, clock) for clock in ("cpu", "wall")}
     info = machine()
     print(f"{args.model} in float32, blocks of {args.block}, {args.decode_tokens} greedy tokens, {args.threads} "
           f"thread(s); medians of {args.repeats} interleaved repetitions; transformers {transformers.__version__}, "
           f"torch {torch.__version__}, NumPy {np.__version__} ({info['blas']}); {info['cpus']} CPUs, "
           f"1-min load average {min(loads):.2f}-{max(loads):.2f} during the runs")
-    print(report(summary, args.threads))
+    print("tokens per CPU second of the process (steady on a busy machine), speed-ups by CPU time and by wall time:")
+    print(report(summary["cpu"], args.threads, wall=summary["wall"]))
     result = {"machine": info, "args": {k: v for k, v in vars(args).items()}, "runs": runs, "summary": summary,
               "load_during": loads, "versions": {"transformers": transformers.__version__, "torch": torch.__version__}}
     if args.out:

@@ -27,7 +27,11 @@ computes them, so the fraction is conservative.
 
 Repetitions are interleaved (limits, then prefill and decode, then again), each in a
 fresh process that loads the model, so a burst of load on a shared machine hits every
-figure alike; medians are reported. ``--baseline DIR`` runs another checkout of refkv
+figure alike; medians are reported. Every figure is timed twice: by wall time, and by the
+process's CPU time. With one BLAS thread the CPU time is the time the process actually
+ran, which on a machine shared with other work (load above the core count) is far
+steadier than wall time, which also counts waiting for a core; the fractions are given
+by both clocks, each against limits measured with the same clock. ``--baseline DIR`` runs another checkout of refkv
 (e.g. ``git worktree add /tmp/before HEAD~3``) in alternation with this one and adds its
 figures and the ratio. ``--threads`` sets the BLAS threads of everything but the
 single-thread GEMM rate (default 1). ``--phases`` also splits a prefill's time into the
@@ -59,13 +63,24 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # -- the limits ---------------------------------------------------------------------------
-def _best_seconds(fn, repeats: int) -> float:
+def now() -> dict:
+    """Both clocks: wall time and this process's CPU time (all its threads)."""
+    return {"wall": time.perf_counter(), "cpu": time.process_time()}
+
+
+def since(start: dict) -> dict:
+    end = now()
+    return {clock: end[clock] - start[clock] for clock in start}
+
+
+def _best_seconds(fn, repeats: int) -> dict:
+    """Shortest wall and CPU seconds of ``fn`` over ``repeats`` calls (after a warm-up)."""
     fn()  # warm up threads and caches
-    best = float("inf")
+    best = {"wall": float("inf"), "cpu": float("inf")}
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = now()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = {clock: min(best[clock], t) for clock, t in since(start).items()}
     return best
 
 
@@ -76,32 +91,38 @@ def projection_shapes(cfg) -> list[tuple[int, int]]:
             (cfg.d_model, cfg.d_ff), (cfg.d_model, cfg.d_ff), (cfg.d_ff, cfg.d_model)]
 
 
-def gemm_rate(cfg, rows: int, repeats: int = 5) -> float:
-    """Single-thread fp32 FLOP/s of the layer's projections for ``rows`` tokens (total FLOPs / total time)."""
+def gemm_rate(cfg, rows: int, repeats: int = 5) -> dict:
+    """Single-thread fp32 FLOP/s of the layer's projections for ``rows`` tokens, per clock.
+
+    Total FLOPs over the total of each projection's best time.
+    """
     from threadpoolctl import threadpool_limits
 
     rng = np.random.default_rng(0)
-    flops = seconds = 0.0
+    flops, seconds = 0.0, {"wall": 0.0, "cpu": 0.0}
     with threadpool_limits(limits=1, user_api="blas"):
         for n_in, n_out in projection_shapes(cfg):
             x = rng.standard_normal((rows, n_in), dtype=np.float32)
             w = rng.standard_normal((n_in, n_out), dtype=np.float32)
-            seconds += _best_seconds(lambda x=x, w=w: x @ w, repeats)
+            best = _best_seconds(lambda x=x, w=w: x @ w, repeats)
+            seconds = {clock: seconds[clock] + best[clock] for clock in seconds}
             flops += 2.0 * rows * n_in * n_out
-    return flops / seconds
+    return {clock: flops / t for clock, t in seconds.items()}
 
 
 def bandwidth(n_bytes: int, width: int, repeats: int = 3) -> dict:
-    """Streaming-read bytes/s over a float32 array of ``n_bytes``: ``np.sum`` and a mat-vec, one thread."""
+    """Streaming-read bytes/s over a float32 array of ``n_bytes``, one thread, per clock.
+
+    The faster of ``np.sum`` over the array and a matrix-vector product with it.
+    """
     from threadpoolctl import threadpool_limits
 
     rows = max(1, n_bytes // (4 * width))
     a = np.ones((rows, width), dtype=np.float32)  # written once, so every page is really there
     x = np.ones(width, dtype=np.float32)
     with threadpool_limits(limits=1, user_api="blas"):
-        by_kernel = {"sum": a.nbytes / _best_seconds(lambda: a.sum(), repeats),
-                     "matvec": a.nbytes / _best_seconds(lambda: a @ x, repeats)}
-    return {**by_kernel, "best": max(by_kernel.values())}
+        kernels = {"sum": _best_seconds(lambda: a.sum(), repeats), "matvec": _best_seconds(lambda: a @ x, repeats)}
+    return {clock: max(a.nbytes / k[clock] for k in kernels.values()) for clock in ("wall", "cpu")}
 
 
 # -- the work ----------------------------------------------------------------------------
@@ -183,19 +204,21 @@ def run_model(model, prompt, block: int, decode_tokens: int, threads: int, phase
     with threadpool_limits(limits=threads, user_api="blas"):
         if phases:
             with Phases(model) as timer:
-                start = time.perf_counter()
+                start = now()
                 logits = engine.prefill(prompt, block)
+                prefill = since(start)
             split = dict(timer.seconds)
         else:
-            start = time.perf_counter()
+            start = now()
             logits = engine.prefill(prompt, block)
-        middle = time.perf_counter()
+            prefill = since(start)
+        start = now()
         # generate() runs decode_tokens - 1 forward steps: the first token comes from the prefill logits.
         engine.generate(logits, decode_tokens + 1)
-        end = time.perf_counter()
-    out = {"prefill_seconds": middle - start, "decode_seconds": end - middle, "decode_steps": decode_tokens}
-    if phases:
-        out["phases"] = {**split, "rest (engine, cache, RoPE)": out["prefill_seconds"] - sum(split.values())}
+        decode = since(start)
+    out = {"prefill_seconds": prefill, "decode_seconds": decode, "decode_steps": decode_tokens}
+    if phases:  # wall seconds
+        out["phases"] = {**split, "rest (engine, cache, RoPE)": prefill["wall"] - sum(split.values())}
     return out
 
 
@@ -237,26 +260,30 @@ def run_child(tree: Path, spec: dict) -> dict:
 
 
 # -- the report ----------------------------------------------------------------------------
-def summarise(runs: list[dict]) -> dict:
-    """Medians over repetitions of every rate and fraction."""
+def summarise(runs: list[dict], clock: str = "cpu") -> dict:
+    """Medians over repetitions of every rate and fraction, timed by ``clock`` ("cpu" or "wall").
+
+    Each repetition's fractions use the limits measured in that repetition.
+    """
     med = statistics.median
-    out = {"gemm_flops": med(r["gemm_flops"] for r in runs),
-           "bandwidth": med(r["bandwidth"]["best"] for r in runs), "lengths": {}}
+    out = {"clock": clock, "gemm_flops": med(r["gemm_flops"][clock] for r in runs),
+           "bandwidth": med(r["bandwidth"][clock] for r in runs), "lengths": {}}
     for length in runs[0]["lengths"]:
         rows = [r["lengths"][length] for r in runs]
         n = int(length)
         out["lengths"][length] = {
-            "prefill_tokens_per_s": med(n / x["prefill_seconds"] for x in rows),
-            "prefill_fraction": med(x["prefill_flops"] / x["prefill_seconds"] / r["gemm_flops"]
+            "prefill_tokens_per_s": med(n / x["prefill_seconds"][clock] for x in rows),
+            "prefill_fraction": med(x["prefill_flops"] / x["prefill_seconds"][clock] / r["gemm_flops"][clock]
                                     for x, r in zip(rows, runs)),
-            "decode_tokens_per_s": med(x["decode_steps"] / x["decode_seconds"] for x in rows),
-            "decode_fraction": med(x["decode_bytes"] / x["decode_seconds"] / r["bandwidth"]["best"]
+            "decode_tokens_per_s": med(x["decode_steps"] / x["decode_seconds"][clock] for x in rows),
+            "decode_fraction": med(x["decode_bytes"] / x["decode_seconds"][clock] / r["bandwidth"][clock]
                                    for x, r in zip(rows, runs)),
         }
     return out
 
 
 def report(summaries: dict[str, dict], block: int) -> str:
+    """One table: every figure of each checkout (by the summaries' clock), and their ratio."""
     labels = list(summaries)
     headers = ["figure"] + [f"{label}" for label in labels]
     if len(labels) == 2:
@@ -269,14 +296,15 @@ def report(summaries: dict[str, dict], block: int) -> str:
         return cells
 
     s = [summaries[label] for label in labels]
-    rows = [row(f"GEMM rate, 1 thread, layer shapes at M={block} (GFLOP/s)", [x["gemm_flops"] / 1e9 for x in s],
+    per = "CPU second" if s[0]["clock"] == "cpu" else "second"
+    rows = [row(f"GEMM rate, 1 thread, layer shapes at M={block} (GFLOP per {per})", [x["gemm_flops"] / 1e9 for x in s],
                 lambda v: f"{v:.1f}"),
-            row("bandwidth, streaming read of the weights' size (GB/s)", [x["bandwidth"] / 1e9 for x in s],
+            row(f"bandwidth, streaming read of the weights' size (GB per {per})", [x["bandwidth"] / 1e9 for x in s],
                 lambda v: f"{v:.1f}")]
     for length in s[0]["lengths"]:
-        for key, name, fmt in [("prefill_tokens_per_s", f"prefill T={length} (tokens/s)", "{:.0f}"),
+        for key, name, fmt in [("prefill_tokens_per_s", f"prefill T={length} (tokens per {per})", "{:.0f}"),
                                ("prefill_fraction", f"prefill T={length}: fraction of GEMM rate", "{:.2f}"),
-                               ("decode_tokens_per_s", f"decode after {length} (tokens/s)", "{:.1f}"),
+                               ("decode_tokens_per_s", f"decode after {length} (tokens per {per})", "{:.1f}"),
                                ("decode_fraction", f"decode after {length}: fraction of bandwidth", "{:.2f}")]:
             rows.append(row(name, [x["lengths"][length][key] for x in s], fmt.format))
     return rst_table(headers, rows)
@@ -326,12 +354,16 @@ def main(argv=None) -> int:
             runs[label].append(run_child(tree, spec))
             print(f"repetition {rep + 1}/{args.repeats} of {label} done (load {os.getloadavg()[0]:.2f})",
                   file=sys.stderr)
-    summaries = {label: summarise(r) for label, r in runs.items()}
+    summaries = {clock: {label: summarise(r, clock) for label, r in runs.items()} for clock in ("cpu", "wall")}
     loads = [r["load_average"][0] for rs in runs.values() for r in rs]
     print(f"model {args.model} (float32), {args.threads} BLAS thread(s), blocks of {args.block}, "
           f"{args.decode_tokens} decode tokens; median of {args.repeats} interleaved repetitions; "
           f"{info['cpus']} CPUs, 1-min load average {min(loads):.2f}-{max(loads):.2f}, {info['blas']}")
-    print(report(summaries, args.block))
+    print("\nTimed by CPU time (the time the cores gave this process; with one thread, wall time on an idle "
+          "machine):")
+    print(report(summaries["cpu"], args.block))
+    print("\nTimed by wall time (includes waiting for a core on a busy machine):")
+    print(report(summaries["wall"], args.block))
     if args.phases:
         for label, rs in runs.items():
             for length in rs[0]["lengths"]:

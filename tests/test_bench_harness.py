@@ -153,9 +153,11 @@ def test_decoder_byte_and_flop_counts_follow_the_shapes(tiny32):
 def test_decoder_measures_limits_and_runs_on_the_tiny_model(tiny32):
     decoder = _load_script("decoder")
     result = decoder.measure(tiny32, {24: list(range(3, 27))}, block=8, decode_tokens=2, threads=1, phases=True)
-    assert result["gemm_flops"] > 0 and result["bandwidth"]["best"] >= result["bandwidth"]["sum"] > 0
+    for clock in ("wall", "cpu"):
+        assert result["gemm_flops"][clock] > 0 and result["bandwidth"][clock] > 0
     run = result["lengths"]["24"]
-    assert run["prefill_seconds"] > 0 and run["decode_seconds"] > 0 and run["decode_steps"] == 2
+    assert min(run["prefill_seconds"].values()) > 0 and min(run["decode_seconds"].values()) > 0
+    assert run["decode_steps"] == 2
     assert {"qkv", "mlp", "attention"} <= set(run["phases"])
     summary = decoder.summarise([result, result])
     assert 0 < summary["lengths"]["24"]["prefill_fraction"] and 0 < summary["lengths"]["24"]["decode_fraction"]
@@ -173,7 +175,7 @@ def test_compare_runs_refkv_and_transformers_on_the_tiny_model(tmp_path, capsys)
     for impl in compare.IMPLEMENTATIONS:
         assert impl in printed
     # The same weights and greedy decoding: transformers must pick the same tokens as refkv.
-    assert all(result["summary"]["20"]["same_tokens"].values())
+    assert all(result["summary"]["cpu"]["20"]["same_tokens"].values())
     assert json.loads((tmp_path / "c.json").read_text())["args"]["lengths"] == [20]
 
 
