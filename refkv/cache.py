@@ -232,11 +232,26 @@ class LayerCache:
             raise ValueError(f"indices must be in [0, {len(self) - 1}]")
         if np.any(np.diff(indices, axis=1) <= 0):
             raise ValueError("indices must be strictly increasing along each row")
-        m = indices.shape[1]
+        n, m = self._n, indices.shape[1]
         for name in self._buffers:
-            live = self._buffers[name][:, :self._n]
-            idx = indices.reshape(indices.shape + (1,) * (live.ndim - 2))
-            kept = np.take_along_axis(live, idx, axis=1)  # (Hkv, m, ...): a gather, then a compaction
-            del live  # our own view: it must not count as a reader in _writable
-            self._writable(name)[:, :m] = kept
+            if self._shared(name):  # copy on write: the old buffer stays as its readers saw it
+                new = np.empty_like(self._buffers[name])
+                _gather(self._buffers[name], new, indices, n)
+                self._buffers[name] = new
+            else:
+                _gather(self._buffers[name], self._buffers[name], indices, n)
         self._n = m
+
+
+def _gather(source: np.ndarray, target: np.ndarray, indices: np.ndarray, n: int) -> None:
+    """``target[h, :m] = source[h, indices[h]]`` for every head ``h`` (``m = indices.shape[1]``).
+
+    Row by row along the token axis with ``np.take`` (each head's tokens are contiguous
+    rows, so this is a copy of whole rows, several times faster than a general fancy-index
+    gather). ``target`` may be ``source``: ``np.take`` copies when its output overlaps
+    its input.
+    """
+    m = indices.shape[1]
+    for h in range(source.shape[0]):
+        # mode="clip" skips a second bounds check (keep() checked the indices) and the buffering it implies
+        np.take(source[h, :n], indices[h], axis=0, out=target[h, :m], mode="clip")
