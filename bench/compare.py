@@ -71,8 +71,8 @@ def transformers_model(model, attention: str):
     config._attn_implementation = attention
     hf = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
 
-    def tensor(a):  # PyTorch's Linear stores (out, in): refkv's (in, out) transposed
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+    def tensor(a):  # a writable copy (refkv's arrays may be read-only); callers transpose (in, out) -> (out, in)
+        return torch.from_numpy(np.array(a, dtype=np.float32, order="C"))
 
     w = model.weights
     state = {"model.embed_tokens.weight": tensor(w.embed), "model.norm.weight": tensor(w.final_norm),
