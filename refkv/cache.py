@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -84,7 +85,7 @@ class LayerCache:
     ----------
     keys, values : (Hkv, n, d) arrays
     positions : (Hkv, n) int64 array, strictly increasing along each row
-    fields : dict of str to (Hkv, n, \\*shape) arrays
+    fields : read-only mapping of str to (Hkv, n, \\*shape) arrays
     next_position : int
         Position of the next token to arrive: the number of tokens this layer has seen.
 
@@ -126,8 +127,9 @@ class LayerCache:
         return self._live("positions")
 
     @property
-    def fields(self) -> dict[str, np.ndarray]:
-        return {name: self._live("field:" + name) for name in self.specs}
+    def fields(self) -> MappingProxyType:
+        # read-only: assigning an entry would otherwise change a temporary dict, silently
+        return MappingProxyType({name: self._live("field:" + name) for name in self.specs})
 
     def __len__(self) -> int:
         return self._n

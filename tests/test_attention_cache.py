@@ -176,6 +176,8 @@ def test_views_are_read_only():
     for array in (cache.keys, cache.values, cache.positions, *cache.fields.values()):
         with pytest.raises(ValueError, match="read-only"):
             array[0, 0] = 0
+    with pytest.raises(TypeError):  # state is written with set_field, never by assigning an entry
+        cache.fields["score"] = np.zeros((2, 3))
 
 
 def test_append_writes_in_place_and_grows_geometrically():
