@@ -9,15 +9,39 @@ drift away from its token.
 
 The cache holds at most ``N + B`` tokens (between appending a block and evicting);
 nothing in it grows with the prompt length ``T``.
+
+Storage
+-------
+Each array lives in a buffer with room to spare along the token axis (a growing
+buffer, like a Python list): appending a block writes into the spare room, so a
+decoding step (``B = 1``) costs ``O(B)``, not a copy of the whole cache; when the room
+runs out the buffer grows by half, so appends are amortised ``O(1)`` per token.
+:meth:`LayerCache.keep` compacts the kept tokens to the front of the buffer in place.
+
+The attributes ``keys``, ``values``, ``positions`` and ``fields`` are **read-only views
+of the live region** ``[:, :n]``, never copies (reading them is free). They are safe to
+hold on to: the cache never writes into memory a view handed out earlier can see.
+
+* An append writes only past ``n``, outside every view already handed out.
+* :meth:`LayerCache.keep` and :meth:`LayerCache.set_field` rewrite the live region, so
+  they do it in place only when no view of the buffer is alive (no reference besides
+  the cache's own); otherwise the result goes to a fresh buffer and the old one stays,
+  unchanged, with whoever still holds it (copy on write).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
 __all__ = ["FieldSpec", "LayerCache"]
+
+#: Growth factor of a full buffer: geometric growth makes appends amortised O(1) and
+#: wastes at most half of the buffer (a cache under a budget stops growing at N + B).
+GROWTH = 1.5
 
 
 @dataclass(frozen=True)
@@ -38,6 +62,15 @@ class FieldSpec:
     fill: object = 0
 
 
+def _references(buffers: dict, name: str) -> int:
+    return sys.getrefcount(buffers[name])
+
+
+#: References a buffer has when only the cache's dict holds it, counted by the same call
+#: the cache makes (so the figure is right whatever the interpreter counts for the call).
+_OWN_REFERENCES = _references({"probe": np.empty(0)}, "probe")
+
+
 class LayerCache:
     """KV cache of one layer.
 
@@ -52,33 +85,88 @@ class LayerCache:
     ----------
     keys, values : (Hkv, n, d) arrays
     positions : (Hkv, n) int64 array, strictly increasing along each row
-    fields : dict of str to (Hkv, n, \\*shape) arrays
+    fields : read-only mapping of str to (Hkv, n, \\*shape) arrays
     next_position : int
         Position of the next token to arrive: the number of tokens this layer has seen.
+
+    Notes
+    -----
+    ``keys``, ``values``, ``positions`` and each array of ``fields`` are read-only views
+    of the live tokens that no later :meth:`append`, :meth:`keep` or :meth:`set_field`
+    changes (see the module notes); write state with :meth:`set_field`.
     """
 
     def __init__(self, n_kv_heads: int, d_head: int, dtype, fields: dict[str, FieldSpec] | None = None):
         self.specs = dict(fields or {})
-        self.keys = np.zeros((n_kv_heads, 0, d_head), dtype=dtype)
-        self.values = np.zeros((n_kv_heads, 0, d_head), dtype=dtype)
-        self.positions = np.zeros((n_kv_heads, 0), dtype=np.int64)
-        self.fields = {name: np.zeros((n_kv_heads, 0, *spec.shape), dtype=spec.dtype)
-                       for name, spec in self.specs.items()}
+        # Every per-token array, keyed "keys", "values", "positions" or "field:<name>";
+        # each (Hkv, capacity, ...) with the live tokens in [:, :n].
+        self._buffers = {"keys": np.zeros((n_kv_heads, 0, d_head), dtype=dtype),
+                         "values": np.zeros((n_kv_heads, 0, d_head), dtype=dtype),
+                         "positions": np.zeros((n_kv_heads, 0), dtype=np.int64)}
+        for name, spec in self.specs.items():
+            self._buffers["field:" + name] = np.zeros((n_kv_heads, 0, *spec.shape), dtype=spec.dtype)
+        self._n = 0
         self.next_position = 0
 
+    # -- read-only views of the live region ------------------------------------------------
+    def _live(self, name: str) -> np.ndarray:
+        view = self._buffers[name][:, :self._n]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def keys(self) -> np.ndarray:
+        return self._live("keys")
+
+    @property
+    def values(self) -> np.ndarray:
+        return self._live("values")
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self._live("positions")
+
+    @property
+    def fields(self) -> MappingProxyType:
+        # read-only: assigning an entry would otherwise change a temporary dict, silently
+        return MappingProxyType({name: self._live("field:" + name) for name in self.specs})
+
     def __len__(self) -> int:
-        return self.keys.shape[1]
+        return self._n
 
     @property
     def n_kv_heads(self) -> int:
-        return self.keys.shape[0]
+        return self._buffers["keys"].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens per head the buffers can hold before they must grow."""
+        return self._buffers["keys"].shape[1]
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by keys, values, positions and fields."""
-        arrays = [self.keys, self.values, self.positions, *self.fields.values()]
-        return sum(a.nbytes for a in arrays)
+        """Bytes of the live tokens' keys, values, positions and fields."""
+        return sum(self._buffers[name][:, :self._n].nbytes for name in self._buffers)
 
+    @property
+    def allocated_nbytes(self) -> int:
+        """Bytes of the buffers, spare room included (at most ``GROWTH`` times the peak ``nbytes``)."""
+        return sum(buffer.nbytes for buffer in self._buffers.values())
+
+    # -- copy on write -----------------------------------------------------------------------
+    def _shared(self, name: str) -> bool:
+        """Whether something besides the cache references buffer ``name`` (a view handed out)."""
+        if not hasattr(sys, "getrefcount"):  # an interpreter that cannot tell: assume shared
+            return True
+        return _references(self._buffers, name) > _OWN_REFERENCES
+
+    def _writable(self, name: str) -> np.ndarray:
+        """Buffer ``name`` ready to have its live region rewritten: itself, or a fresh one if shared."""
+        if self._shared(name):  # asked before any local name holds the buffer
+            self._buffers[name] = np.empty_like(self._buffers[name])
+        return self._buffers[name]
+
+    # -- changes -------------------------------------------------------------------------
     def append(self, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
         """Append a block of ``B`` tokens at positions ``next_position .. + B - 1``.
 
@@ -90,25 +178,35 @@ class LayerCache:
         -------
         (B,) int64 array: the positions given to the block.
         """
-        if keys.shape != values.shape or keys.shape[0] != self.n_kv_heads or keys.shape[2] != self.keys.shape[2]:
+        d_head, dtype = self._buffers["keys"].shape[2], self._buffers["keys"].dtype
+        if keys.shape != values.shape or keys.shape[0] != self.n_kv_heads or keys.shape[2] != d_head:
             raise ValueError(f"keys and values must both have shape ({self.n_kv_heads}, B, "
-                             f"{self.keys.shape[2]}), got {keys.shape} and {values.shape}")
-        if keys.dtype != self.keys.dtype or values.dtype != self.keys.dtype:
-            raise ValueError(f"keys/values dtype must be {self.keys.dtype}, got {keys.dtype}/{values.dtype}")
-        b = keys.shape[1]
+                             f"{d_head}), got {keys.shape} and {values.shape}")
+        if keys.dtype != dtype or values.dtype != dtype:
+            raise ValueError(f"keys/values dtype must be {dtype}, got {keys.dtype}/{values.dtype}")
+        n, b = self._n, keys.shape[1]
+        if n + b > self.capacity:
+            self._grow(max(n + b, int(GROWTH * self.capacity)))
         new_positions = np.arange(self.next_position, self.next_position + b, dtype=np.int64)
-        self.keys = np.concatenate([self.keys, keys], axis=1)
-        self.values = np.concatenate([self.values, values], axis=1)
-        self.positions = np.concatenate(
-            [self.positions, np.broadcast_to(new_positions, (self.n_kv_heads, b))], axis=1)
+        # Writes go past n only: no view handed out so far covers them.
+        self._buffers["keys"][:, n:n + b] = keys
+        self._buffers["values"][:, n:n + b] = values
+        self._buffers["positions"][:, n:n + b] = new_positions
         for name, spec in self.specs.items():
-            fresh = np.full((self.n_kv_heads, b, *spec.shape), spec.fill, dtype=spec.dtype)
-            self.fields[name] = np.concatenate([self.fields[name], fresh], axis=1)
+            self._buffers["field:" + name][:, n:n + b] = spec.fill
+        self._n += b
         self.next_position += b
         return new_positions
 
+    def _grow(self, capacity: int) -> None:
+        """Move the live tokens to new buffers of ``capacity`` tokens (old buffers untouched)."""
+        for name, old in self._buffers.items():
+            new = np.empty((old.shape[0], capacity, *old.shape[2:]), dtype=old.dtype)
+            new[:, :self._n] = old[:, :self._n]
+            self._buffers[name] = new
+
     def set_field(self, name: str, array: np.ndarray) -> None:
-        """Replace a state field (whole array, shape and dtype checked)."""
+        """Replace a state field (whole array, shape and dtype checked; the values are copied)."""
         if name not in self.specs:
             raise ValueError(f"unknown cache field {name!r}; declared: {sorted(self.specs)}")
         spec = self.specs[name]
@@ -116,7 +214,7 @@ class LayerCache:
         array = np.asarray(array)
         if array.shape != expected:
             raise ValueError(f"field {name!r} must have shape {expected}, got {array.shape}")
-        self.fields[name] = array.astype(spec.dtype, copy=False)
+        self._writable("field:" + name)[:, :self._n] = array  # cast to spec.dtype on the way in
 
     def keep(self, indices: np.ndarray) -> None:
         """Keep, per KV head, the tokens at ``indices`` and drop the rest.
@@ -136,9 +234,26 @@ class LayerCache:
             raise ValueError(f"indices must be in [0, {len(self) - 1}]")
         if np.any(np.diff(indices, axis=1) <= 0):
             raise ValueError("indices must be strictly increasing along each row")
-        self.keys = np.take_along_axis(self.keys, indices[:, :, None], axis=1)
-        self.values = np.take_along_axis(self.values, indices[:, :, None], axis=1)
-        self.positions = np.take_along_axis(self.positions, indices, axis=1)
-        for name, array in self.fields.items():
-            idx = indices.reshape(indices.shape + (1,) * (array.ndim - 2))
-            self.fields[name] = np.take_along_axis(array, idx, axis=1)
+        n, m = self._n, indices.shape[1]
+        for name in self._buffers:
+            if self._shared(name):  # copy on write: the old buffer stays as its readers saw it
+                new = np.empty_like(self._buffers[name])
+                _gather(self._buffers[name], new, indices, n)
+                self._buffers[name] = new
+            else:
+                _gather(self._buffers[name], self._buffers[name], indices, n)
+        self._n = m
+
+
+def _gather(source: np.ndarray, target: np.ndarray, indices: np.ndarray, n: int) -> None:
+    """``target[h, :m] = source[h, indices[h]]`` for every head ``h`` (``m = indices.shape[1]``).
+
+    Row by row along the token axis with ``np.take`` (each head's tokens are contiguous
+    rows, so this is a copy of whole rows, several times faster than a general fancy-index
+    gather). ``target`` may be ``source``: ``np.take`` copies when its output overlaps
+    its input.
+    """
+    m = indices.shape[1]
+    for h in range(source.shape[0]):
+        # mode="clip" skips a second bounds check (keep() checked the indices) and the buffering it implies
+        np.take(source[h, :n], indices[h], axis=0, out=target[h, :m], mode="clip")

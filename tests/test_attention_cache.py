@@ -162,3 +162,117 @@ def test_cache_memory_is_bounded_by_budget_plus_block(tiny64):
     for cache in engine.caches:
         assert len(cache) == 32 and cache.nbytes == 32 * one_token
     assert engine.stats.peak_cache_tokens == 32 + 16
+
+
+# -- the growing buffer: O(1) appends, views that never change under the caller -------------
+
+def _address(array) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def test_views_are_read_only():
+    cache = make_cache()
+    cache.append(np.ones((2, 3, 3)), np.ones((2, 3, 3)))
+    for array in (cache.keys, cache.values, cache.positions, *cache.fields.values()):
+        with pytest.raises(ValueError, match="read-only"):
+            array[0, 0] = 0
+    with pytest.raises(TypeError):  # state is written with set_field, never by assigning an entry
+        cache.fields["score"] = np.zeros((2, 3))
+
+
+def test_append_writes_in_place_and_grows_geometrically():
+    """A decoding step does not copy the cache: the buffer moves only when full, and a run of
+    single-token appends reallocates O(log T) times, not T times."""
+    cache = LayerCache(2, 3, np.float64)
+    moves, address = 0, None
+    for t in range(1000):
+        cache.append(np.full((2, 1, 3), t, dtype=float), np.zeros((2, 1, 3)))
+        now = _address(cache.keys)
+        moves += address is not None and now != address
+        address = now
+    assert moves <= 20  # a growth factor of 1.5 needs ~17 moves to reach 1000
+    assert len(cache) == 1000 and cache.capacity < 1.5 * 1000 + 2
+    np.testing.assert_array_equal(cache.keys[0, :, 0], np.arange(1000))
+    np.testing.assert_array_equal(cache.positions, np.broadcast_to(np.arange(1000), (2, 1000)))
+
+
+@given(blocks=st.lists(st.integers(1, 9), min_size=1, max_size=12), seed=st.integers(0, 2**16))
+def test_a_held_view_never_changes(blocks, seed):
+    """Whatever appends and evictions follow, a view taken earlier keeps the values it showed."""
+    rng = np.random.default_rng(seed)
+    cache = make_cache()
+    held = []  # (view, copy of it when taken)
+    for b in blocks:
+        k = rng.standard_normal((2, b, 3))
+        cache.append(k, -k)
+        cache.set_field("score", rng.standard_normal((2, len(cache))))
+        for view in (cache.keys, cache.values, cache.positions, cache.fields["score"], cache.fields["code"]):
+            held.append((view, view.copy()))
+        if len(cache) > 4 and rng.random() < 0.6:  # evict to a random size, different per head
+            m = int(rng.integers(1, len(cache)))
+            cache.keep(np.sort(np.stack([rng.choice(len(cache), m, replace=False) for _ in range(2)]), axis=1))
+        for view, then in held:
+            np.testing.assert_array_equal(view, then)
+
+
+def test_keep_compacts_in_place_when_no_view_is_held():
+    cache = make_cache()
+    k = np.arange(2 * 6 * 3, dtype=float).reshape(2, 6, 3)
+    cache.append(k, -k)
+    address = _address(cache.keys)  # an int: no view of the buffer survives this line
+    cache.keep(np.array([[1, 4], [0, 5]]))
+    assert _address(cache.keys) == address
+    np.testing.assert_array_equal(cache.keys, np.stack([k[0, [1, 4]], k[1, [0, 5]]]))
+
+
+def test_keep_and_set_field_copy_on_write_when_a_view_is_held():
+    cache = make_cache()
+    k = np.arange(2 * 6 * 3, dtype=float).reshape(2, 6, 3)
+    cache.append(k, -k)
+    keys, score = cache.keys, cache.fields["score"]
+    cache.set_field("score", np.ones((2, 6)))
+    cache.keep(np.array([[1, 4], [0, 5]]))
+    np.testing.assert_array_equal(keys, k)          # the old view: untouched
+    np.testing.assert_array_equal(score, 0.5)       # the fill value it showed
+    assert not np.shares_memory(keys, cache.keys)
+    np.testing.assert_array_equal(cache.keys, np.stack([k[0, [1, 4]], k[1, [0, 5]]]))
+    np.testing.assert_array_equal(cache.fields["score"], 1.0)
+
+
+def test_set_field_copies_the_callers_array():
+    cache = make_cache()
+    cache.append(np.zeros((2, 2, 3)), np.zeros((2, 2, 3)))
+    mine = np.ones((2, 2))
+    cache.set_field("score", mine)
+    mine[:] = 9.0  # the caller's array is theirs: changing it later does not reach the cache
+    np.testing.assert_array_equal(cache.fields["score"], 1.0)
+    cache.set_field("code", np.full((2, 2, 2), 300.0))  # cast to the declared dtype, as before
+    assert cache.fields["code"].dtype == np.uint8
+
+
+@given(blocks=st.lists(st.integers(1, 9), min_size=1, max_size=12), seed=st.integers(0, 2**16))
+def test_buffer_matches_plain_arrays_when_nothing_is_held(blocks, seed):
+    """With no view alive every keep compacts in place; the contents must equal those of plain
+    concatenate-and-gather arrays (the cache's definition)."""
+    rng = np.random.default_rng(seed)
+    cache = make_cache()
+    keys, positions, score = np.zeros((2, 0, 3)), np.zeros((2, 0), dtype=np.int64), np.zeros((2, 0))
+    for b in blocks:
+        k = rng.standard_normal((2, b, 3))
+        cache.append(k, -k)
+        keys = np.concatenate([keys, k], axis=1)
+        seen = cache.next_position
+        positions = np.concatenate([positions, np.broadcast_to(np.arange(seen - b, seen), (2, b))], axis=1)
+        new_score = rng.standard_normal((2, len(cache)))
+        cache.set_field("score", new_score)
+        score = new_score.copy()
+        if len(cache) > 4:
+            m = int(rng.integers(1, len(cache)))
+            kept = np.sort(np.stack([rng.choice(len(cache), m, replace=False) for _ in range(2)]), axis=1)
+            cache.keep(kept)
+            keys = np.take_along_axis(keys, kept[:, :, None], axis=1)
+            positions = np.take_along_axis(positions, kept, axis=1)
+            score = np.take_along_axis(score, kept, axis=1)
+        assert np.array_equal(cache.keys.copy(), keys) and np.array_equal(cache.values.copy(), -keys)
+        assert np.array_equal(cache.positions.copy(), positions)
+        assert np.array_equal(cache.fields["score"].copy(), score)

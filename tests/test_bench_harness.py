@@ -129,3 +129,97 @@ def test_policy_benchmark_runs_every_policy_on_a_small_cache(tmp_path, capsys):
         assert row["peak_extra_bytes"] > 0 and row["seconds"]["total"] > 0
     again = policies.load_results(out)
     assert policies.report(again) == policies.report(results)
+
+
+# -- bench/decoder.py and bench/compare.py: smoke runs on the tiny model, and their arithmetic ----
+
+def test_decoder_byte_and_flop_counts_follow_the_shapes(tiny32):
+    decoder = _load_script("decoder")
+    cfg = tiny32.config
+    n_params = cfg.vocab_size * cfg.d_model + cfg.d_model + cfg.n_layers * (
+        2 * cfg.d_model + cfg.d_model * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head
+        + cfg.n_heads * cfg.d_head * cfg.d_model + 3 * cfg.d_model * cfg.d_ff)
+    # (untied: the LM head, also vocab x d_model, is read instead of the embedding table)
+    assert decoder.model_bytes(tiny32) == 4 * n_params
+    one_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.d_head * 4  # keys and values, float32
+    assert decoder.decode_bytes(tiny32, 11) - decoder.decode_bytes(tiny32, 10) == one_token
+    # One block of 3 tokens: 6 causal (query, key) pairs per head, plus one LM-head row.
+    dense = 2 * 3 * (n_params - cfg.vocab_size * cfg.d_model - cfg.d_model - cfg.n_layers * 2 * cfg.d_model)
+    head = 2 * cfg.d_model * cfg.vocab_size
+    attention = cfg.n_layers * 4 * cfg.d_head * cfg.n_heads * 6
+    assert math.isclose(decoder.prefill_flops(cfg, 3, 3), dense + attention + head, rel_tol=1e-12)
+
+
+def test_decoder_measures_limits_and_runs_on_the_tiny_model(tiny32):
+    decoder = _load_script("decoder")
+    result = decoder.measure(tiny32, {24: list(range(3, 27))}, block=8, decode_tokens=2, threads=1, phases=True)
+    for clock in ("wall", "cpu"):
+        assert result["gemm_flops"][clock] > 0 and result["bandwidth"][clock] > 0
+    run = result["lengths"]["24"]
+    assert min(run["prefill_seconds"].values()) > 0 and min(run["decode_seconds"].values()) > 0
+    assert run["decode_steps"] == 2
+    assert {"qkv", "mlp", "attention"} <= set(run["phases"])
+    summary = decoder.summarise([result, result])
+    assert 0 < summary["lengths"]["24"]["prefill_fraction"] and 0 < summary["lengths"]["24"]["decode_fraction"]
+    assert "fraction of GEMM rate" in decoder.report({"a": summary, "b": summary}, 8)
+
+
+@pytest.mark.slow  # importing torch and transformers: ~10-20 s on a loaded 2-core machine
+def test_compare_runs_refkv_and_transformers_on_the_tiny_model(tmp_path, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    compare = _load_script("compare")
+    result = compare.main(["--model", "tiny", "--lengths", "20", "--block", "8", "--decode-tokens", "2",
+                           "--repeats", "1", "--out", str(tmp_path / "c.json")])
+    printed = capsys.readouterr().out
+    for impl in compare.IMPLEMENTATIONS:
+        assert impl in printed
+    # The same weights and greedy decoding: transformers must pick the same tokens as refkv.
+    assert all(result["summary"]["cpu"]["20"]["same_tokens"].values())
+    assert json.loads((tmp_path / "c.json").read_text())["args"]["lengths"] == [20]
+
+
+def test_compare_says_how_to_install_torch_when_missing(monkeypatch):
+    import builtins
+
+    compare = _load_script("compare")
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        if name == "torch":
+            raise ImportError("no torch", name="torch")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    with pytest.raises(SystemExit, match=r'pip install -e "\.\[interop\]".*torch==2\.13\.0'):
+        compare.import_torch()
+
+
+def test_contention_measures_both_counts_and_reports_the_thread_choice(tiny32, monkeypatch):
+    import sys
+    import types
+
+    contention = _load_script("contention")
+    prompt = list(range(3, 19))
+    fake = types.ModuleType("refkv.threads")
+    fake.choose_threads = lambda config: types.SimpleNamespace(n=2, reason="fake")
+    monkeypatch.setitem(sys.modules, "refkv.threads", fake)
+    result = contention.measure(tiny32, prompt, 8, 1)
+    assert set(result["conditions"]) == set(contention.CONDITIONS)
+    for c in result["conditions"].values():
+        assert c["choice"] == {"n": 2, "reason": "fake"} and all(s > 0 for s in c["median_seconds"].values())
+    assert "2 thread(s)" in contention.report(result, len(prompt))
+
+    monkeypatch.setitem(sys.modules, "refkv.threads", None)  # the module missing: the column says so
+    result = contention.measure(tiny32, prompt, 8, 1, conditions=("as is",))
+    assert "refkv.threads" in result["note"] and "n/a" in contention.report(result, len(prompt))
+
+
+@pytest.mark.slow  # two `refkv experiment` subprocesses: ~10 s on a loaded 2-core machine
+def test_throughput_counts_cells_and_their_cpu_time(tmp_path):
+    throughput = _load_script("throughput")
+    result = throughput.main(["--model", "tiny", "--experiments", "perplexity", "--options",
+                              "--quick --policies keydiff", "--out", str(tmp_path / "t.json")])
+    (run,) = result["runs"]["this checkout"]
+    assert run["cells"] >= 1 and run["cpu_seconds"] > 0
+    assert math.isclose(result["rate"]["this checkout"], 3600 * run["cells"] / run["cpu_seconds"])

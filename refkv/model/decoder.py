@@ -13,11 +13,11 @@ so that it is an oracle the cached block path must match, not a copy of it.
 from __future__ import annotations
 
 import numpy as np
-from scipy.special import softmax
+from scipy.special import expit, softmax
 
 from .config import ModelConfig
-from .layers import apply_rope, rms_norm, rope_angles, rope_frequencies_of, swiglu
-from .weights import ModelWeights
+from .layers import apply_rope, rms_norm, rope_angles, rope_frequencies_of
+from .weights import ModelWeights, pack_projections
 
 __all__ = ["Model"]
 
@@ -40,7 +40,9 @@ class Model:
     def __init__(self, config: ModelConfig, weights: ModelWeights):
         weights.validate(config)
         self.config = config
-        self.weights = weights
+        # One matrix for q/k/v and one for gate/up per layer (fewer, larger GEMMs); the
+        # weights' own wq, ..., w_up become views of them, so nothing is held twice.
+        self.weights, self.packed = pack_projections(weights)
         self._inv_freq = rope_frequencies_of(config)  # (d_head / 2,) float64, any RoPE scaling applied
 
     @property
@@ -92,13 +94,14 @@ class Model:
         cfg, lw = self.config, self.weights.layers[layer]
         h = rms_norm(x, lw.attn_norm, cfg.norm_eps)
         cos, sin = rope
-        q, k, v = h @ lw.wq, h @ lw.wk, h @ lw.wv  # (T, H d), (T, Hkv d), (T, Hkv d)
+        packed = self.packed[layer]
+        q, k, v = np.split(h @ packed.qkv, packed.qkv_splits, axis=1)  # one GEMM: h @ [wq | wk | wv]
         if cfg.attention_bias:  # Qwen2/2.5 (Llama, Qwen3 with attention_bias): right after the projections
             q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
         q, k, v = _split_heads(q, cfg.n_heads), _split_heads(k, cfg.n_kv_heads), _split_heads(v, cfg.n_kv_heads)
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head's d values of q and k, right before RoPE
             q, k = rms_norm(q, lw.q_norm, cfg.norm_eps), rms_norm(k, lw.k_norm, cfg.norm_eps)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v  # (H, T, d), (Hkv, T, d), (Hkv, T, d)
 
     def attn_out(self, layer: int, o: np.ndarray) -> np.ndarray:
         """Output projection of per-head attention outputs ``o`` (H, T, d) -> (T, d_model)."""
@@ -110,9 +113,18 @@ class Model:
         return out
 
     def mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
-        """The MLP branch (RMSNorm then SwiGLU) of the residual ``x`` (T, d_model)."""
+        """The MLP branch (RMSNorm then SwiGLU) of the residual ``x`` (T, d_model).
+
+        SwiGLU ``(silu(h W_gate) * (h W_up)) W_down`` as :func:`refkv.model.layers.swiglu`,
+        with ``h W_gate`` and ``h W_up`` from one GEMM on ``[W_gate | W_up]``.
+        """
         lw = self.weights.layers[layer]
-        return swiglu(rms_norm(x, lw.mlp_norm, self.config.norm_eps), lw.w_gate, lw.w_up, lw.w_down)
+        h = rms_norm(x, lw.mlp_norm, self.config.norm_eps)
+        gate, up = np.split(h @ self.packed[layer].gate_up, 2, axis=1)  # (T, d_ff) each
+        hidden = expit(gate)  # then in place: the (T, d_ff) arrays are the MLP's largest temporaries
+        hidden *= gate
+        hidden *= up
+        return hidden @ lw.w_down
 
     def head(self, x: np.ndarray) -> np.ndarray:
         """Final RMSNorm and LM head: residual (T, d_model) -> logits (T, vocab)."""

@@ -8,13 +8,13 @@ with dimension ``i + d_head / 2`` of each head ("rotate half").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
 from .config import ModelConfig
 
-__all__ = ["LayerWeights", "ModelWeights", "random_weights"]
+__all__ = ["LayerWeights", "ModelWeights", "PackedLayer", "pack_projections", "random_weights"]
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -205,3 +205,53 @@ def random_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float64) -> ModelWe
     weights = ModelWeights(embed, tuple(layers), final_norm, lm_head).astype(dtype)
     weights.validate(cfg)
     return weights
+
+
+# -- packed projections (speed only; issue 17) ---------------------------------------------------
+@dataclass(frozen=True)
+class PackedLayer:
+    """The projections of one layer that read the same input, side by side in one matrix.
+
+    One GEMM ``h @ [W_q | W_k | W_v]`` does the work of three and reads ``h`` once; for a
+    block of 128 tokens or a single decoding step the three small products cost more in
+    call overhead and in re-reading ``h`` than the one large one. The results are the
+    same products (column ``j`` of the packed product is column ``j`` of its part's
+    product), up to the last bits a BLAS may change with the matrix width.
+
+    Attributes
+    ----------
+    qkv : (d_model, H * d_head + 2 * Hkv * d_head)
+        ``[wq | wk | wv]``.
+    qkv_splits : tuple of int
+        Column offsets where ``wk`` and ``wv`` start (for ``np.split``).
+    gate_up : (d_model, 2 * d_ff)
+        ``[w_gate | w_up]``.
+    """
+
+    qkv: np.ndarray
+    qkv_splits: tuple[int, int]
+    gate_up: np.ndarray
+
+
+def pack_projections(weights: ModelWeights) -> tuple[ModelWeights, tuple[PackedLayer, ...]]:
+    """Pack each layer's q/k/v and gate/up weights into one matrix each, without a second copy.
+
+    Returns
+    -------
+    weights : ModelWeights
+        The same values, with ``wq``, ``wk``, ``wv``, ``w_gate`` and ``w_up`` now column
+        views into the packed matrices (so the model holds each weight once, and an edit
+        through either name is seen by both).
+    packed : tuple of PackedLayer
+        One per layer.
+    """
+    layers, packed = [], []
+    for lw in weights.layers:
+        q, kv = lw.wq.shape[1], lw.wk.shape[1]
+        qkv = np.concatenate([lw.wq, lw.wk, lw.wv], axis=1)  # (d_model, q + 2 kv)
+        gate_up = np.concatenate([lw.w_gate, lw.w_up], axis=1)  # (d_model, 2 d_ff)
+        d_ff = lw.w_gate.shape[1]
+        packed.append(PackedLayer(qkv=qkv, qkv_splits=(q, q + kv), gate_up=gate_up))
+        layers.append(replace(lw, wq=qkv[:, :q], wk=qkv[:, q:q + kv], wv=qkv[:, q + kv:],
+                              w_gate=gate_up[:, :d_ff], w_up=gate_up[:, d_ff:]))
+    return replace(weights, layers=tuple(layers)), tuple(packed)
