@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import machine, rst_table, write_json
+from harness import machine, positive_ints, rst_table, write_json
 
 INSTALL_HINT = ('bench/compare.py needs torch and transformers: pip install -e ".[interop]" from a clone '
                 "(torch==2.13.0; for the CPU build add --index-url https://download.pytorch.org/whl/cpu "
@@ -175,20 +175,10 @@ def report(summary: dict, threads: int, wall: dict | None = None) -> str:
     return rst_table([*headers, "same greedy tokens"], rows)
 
 
-def _lengths(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("lengths must be >= 1")
-    return values
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="model name or GGUF path (default smollm2)")
-    parser.add_argument("--lengths", type=_lengths, default=[2048], help="prompt lengths, comma-separated "
+    parser.add_argument("--lengths", type=positive_ints, default=[2048], help="prompt lengths, comma-separated "
                         "(default 2048; 2048,8192 for both)")
     parser.add_argument("--block", type=int, default=128, help="prompt block size (default 128)")
     parser.add_argument("--decode-tokens", type=int, default=16, help="greedy tokens decoded (default 16)")

@@ -57,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import machine, rst_table, write_json
+from harness import machine, positive_ints, rst_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -310,20 +310,10 @@ def report(summaries: dict[str, dict], block: int) -> str:
     return rst_table(headers, rows)
 
 
-def _lengths(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("prompt lengths must be >= 1")
-    return values
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="model name or GGUF path (default smollm2)")
-    parser.add_argument("--prompt-tokens", type=_lengths, default=[2048],
+    parser.add_argument("--prompt-tokens", type=positive_ints, default=[2048],
                         help="prompt length(s), comma-separated (default 2048)")
     parser.add_argument("--block", type=int, default=128, help="B for the prompt (default 128)")
     parser.add_argument("--decode-tokens", type=int, default=16, help="greedy tokens timed (default 16)")

@@ -8,18 +8,20 @@ test in ``tests/test_bench_harness.py``.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import math
 import os
 import platform
 import statistics
-import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from refkv.files import atomic_write
 
 #: Environment variables that set the BLAS thread count (recorded with every result: on a
 #: busy machine a multi-threaded BLAS can be many times slower than a single thread).
@@ -123,19 +125,30 @@ def _cell(value: object) -> str:
 
 
 def write_json(path: str | os.PathLike, data: object) -> None:
-    """Write ``data`` as JSON atomically (a temporary file in the same folder, then ``os.replace``)."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
+    """Write ``data`` as JSON atomically (:func:`refkv.files.atomic_write`)."""
+    atomic_write(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def positive_ints(text: str) -> list[int]:
+    """``argparse`` type of a comma-separated list of integers >= 1 (e.g. prompt lengths)."""
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"every value must be an integer >= 1, got {text!r}")
+    return values
+
+
+def finish(results: dict, report: Callable[[dict], str], out: str | None) -> dict:
+    """End a benchmark run: note the machine again (load may have changed), print the
+    tables, and save the results as JSON when ``out`` is given."""
+    results["machine_after"] = machine()
+    print()
+    print(report(results))
+    if out:
+        write_json(out, results)
+    return results
 
 
 def machine() -> dict:

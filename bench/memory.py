@@ -51,7 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import machine, rst_table, write_json
+from harness import finish, machine, rst_table
 
 POLICIES = ("keydiff", "sink", "tova", "h2o", "snapkv")
 ATTENTION_FREE = ("keydiff", "sink")
@@ -308,12 +308,7 @@ def main(argv=None) -> dict:
         if points and max(points) < max(lengths):
             estimates[policy] = one_shot_estimate(points, max(lengths))
     results["one_shot_estimates"] = estimates
-    results["machine_after"] = machine()
-    print()
-    print(report(results))
-    if args.out:
-        write_json(args.out, results)
-    return results
+    return finish(results, report, args.out)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import growth_exponent, machine, median_time, peak_extra_bytes, rst_table, write_json
+from harness import finish, growth_exponent, machine, median_time, peak_extra_bytes, rst_table
 
 from refkv import lsh
 from refkv.attention import attend, attention_weights
@@ -373,12 +373,7 @@ def main(argv=None) -> dict:
     results["policies"] = [measure_policy(*p, sizes, cfg, args, rng) for p in chosen]
     results["attention"] = measure_attention_reference(sizes, cfg, args, rng)
     results["hamming"] = measure_hamming(sizes, cfg, args, rng)
-    results["machine_after"] = machine()
-    print()
-    print(report(results))
-    if args.out:
-        write_json(args.out, results)
-    return results
+    return finish(results, report, args.out)
 
 
 if __name__ == "__main__":
