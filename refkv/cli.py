@@ -82,8 +82,9 @@ def make_policy(args) -> policies.Policy:
 def check_policy_arguments(args, config=None) -> policies.Policy:
     """Validate ``--policy/--param/--budget/--block/--threads`` before any model is loaded.
 
-    Returns the policy. ``config`` is the model's configuration when it is known without
-    loading the model (the built-in ``tiny``); otherwise the checks that depend on the
+    Returns the policy. ``config`` is the model's configuration (or one with its depth) when
+    it is known without loading the model (the built-in ``tiny``, a GGUF header, a
+    checkpoint's ``config.json``); otherwise the checks that depend on the
     model's depth (layer indices such as knorm's ``skip_layers``) are left to
     :func:`check_policy_for_model`, which runs once the model is read and before any
     token is processed. Warns on stderr when a policy is given without a budget.
@@ -113,6 +114,36 @@ def check_policy_arguments(args, config=None) -> policies.Policy:
 
 #: Layers of the stand-in model used before the real one is read (any layer index is valid).
 _ANY_DEPTH = 1 << 30
+
+
+def _depth_before_loading(name):
+    """A configuration with the model's real depth, read without loading the model, or None.
+
+    Policies check layer indices (knorm's ``skip_layers``, MAT's ``shallow_layers``) against
+    the depth only: the built-in ``tiny``'s is known, a GGUF file's is in its header
+    (milliseconds, against seconds for the whole file), a checkpoint directory's in its
+    ``config.json``. None when it cannot be read that way; the load then reports why.
+    """
+    if name == "tiny":
+        return TINY
+    import json
+
+    from .model.gguf import read_block_count
+    from .model.loading import model_path
+
+    try:
+        path = model_path(name)
+        if path.is_file():
+            depth = read_block_count(path)
+        else:
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+            config = config.get("text_config", config)
+            depth = config.get("num_hidden_layers")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        return None
+    return TINY.replace(n_layers=depth)
 
 
 def check_policy_for_model(policy, args, config, prompt_tokens: int, *, at_least: bool = False) -> None:
@@ -288,7 +319,7 @@ def _cmd_generate(args) -> int:
     _check_prompt(prompt)  # before loading the model: a bad byte fails at once
     if not prompt.strip():
         raise ValueError("the prompt must not be empty")
-    tiny = TINY if args.model == "tiny" else None  # the one model whose shape is known unloaded
+    tiny = _depth_before_loading(args.model)  # the model's depth, from its header alone
     policy = check_policy_arguments(args, tiny)  # before the model is read: errors come at once
     if args.block is None and args.budget is not None:
         # Every word is at least one token, so a prompt of more words than a policy's block

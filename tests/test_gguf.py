@@ -387,3 +387,30 @@ def test_pre_tokenizers_refkv_does_not_rebuild_are_refused(tmp_path, pre):
     with pytest.raises(ValueError, match=f"'{pre}'"):
         load_with_tokenizer(path)
     assert read_gguf(path, weights=False).vocab.pre == pre  # the model itself still loads
+
+
+def test_block_count_from_the_header_alone(tmp_path):
+    """read_block_count finds the depth without reading tensors; anything else gives None."""
+    from refkv.model.gguf import read_block_count
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path)
+    assert read_block_count(path) == SMALL.n_layers == read_gguf(path, weights=False).config.n_layers
+    (tmp_path / "not.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 9)  # truncated header
+    (tmp_path / "text.gguf").write_text("hello")
+    assert read_block_count(tmp_path / "not.gguf") is None
+    assert read_block_count(tmp_path / "text.gguf") is None
+    assert read_block_count(tmp_path / "missing.gguf") is None
+
+
+def test_cli_checks_layer_indices_against_the_header_before_loading(tmp_path, capsys, monkeypatch):
+    import refkv.model.loading as loading
+    from refkv.cli import main
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path)
+    monkeypatch.setattr(loading, "load_with_tokenizer", lambda *a, **k: pytest.fail("model loaded"))
+    code = main(["generate", "hello", "--model", str(path), "--policy", "knorm", "--param",
+                 f"skip_layers=[{SMALL.n_layers}]", "--budget", "8"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"for a model of {SMALL.n_layers} layers" in err and "loading" not in err

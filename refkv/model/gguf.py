@@ -528,3 +528,64 @@ def _weights(tensors: dict, cfg: ModelConfig, dtype: np.dtype, permuted: bool, p
     except ValueError as err:  # e.g. NaN in a corrupt file
         raise GGUFError(f"{path}: GGUF weights are unusable: {err}") from err
     return weights
+
+
+# -- the model's depth from the header alone ----------------------------------------------------
+#: GGUF metadata value types: struct format of the scalar ones (8 = string, 9 = array).
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                   12: "<d"}
+
+
+def read_block_count(path) -> int | None:
+    """The number of layers ``{architecture}.block_count`` from a GGUF file's header, or None.
+
+    Reads the metadata key/value section only, stopping at that key (the tensors and the
+    tokenizer's arrays are skipped unread), so the CLI can check depth-dependent policy
+    parameters (knorm's ``skip_layers``, MAT's ``shallow_layers``) in milliseconds, before
+    the seconds :func:`read_gguf` takes. None when the header does not give it (the full
+    reader then reports what is wrong).
+    """
+    import struct
+
+    def unpack(f, fmt):
+        size = struct.calcsize(fmt)
+        data = f.read(size)
+        if len(data) != size:
+            raise EOFError
+        return struct.unpack(fmt, data)[0]
+
+    def skip_value(f, kind):
+        if kind in _SCALAR_FORMATS:
+            f.seek(struct.calcsize(_SCALAR_FORMATS[kind]), os.SEEK_CUR)
+        elif kind == 8:
+            f.seek(unpack(f, "<Q"), os.SEEK_CUR)
+        elif kind == 9:
+            inner, count = unpack(f, "<I"), unpack(f, "<Q")
+            if inner in _SCALAR_FORMATS:
+                f.seek(count * struct.calcsize(_SCALAR_FORMATS[inner]), os.SEEK_CUR)
+            else:
+                for _ in range(count):
+                    skip_value(f, inner)
+        else:
+            raise ValueError(f"unknown GGUF value type {kind}")
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF" or unpack(f, "<I") < 2:
+                return None
+            unpack(f, "<Q")  # tensor count
+            n_kv = unpack(f, "<Q")
+            architecture = None
+            for _ in range(min(n_kv, 1 << 16)):
+                key = f.read(unpack(f, "<Q")).decode("utf-8", "replace")
+                kind = unpack(f, "<I")
+                if key == "general.architecture" and kind == 8:
+                    architecture = f.read(unpack(f, "<Q")).decode("utf-8", "replace")
+                elif architecture is not None and key == f"{architecture}.block_count" and kind in _SCALAR_FORMATS:
+                    count = unpack(f, _SCALAR_FORMATS[kind])
+                    return int(count) if 1 <= count <= 1 << 16 else None
+                else:
+                    skip_value(f, kind)
+    except (OSError, EOFError, ValueError, struct.error):
+        return None
+    return None
