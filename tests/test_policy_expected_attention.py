@@ -239,8 +239,9 @@ def test_scores_and_kept_sets_equal_kvpress(tiny64, params):
     hidden = rms_norm(tiny64.embed(tokens), weights.attn_norm, cfg.norm_eps)  # the attention layer's input
     press = ExpectedAttentionPress(compression_ratio=0.6, **params)
     with torch.no_grad():
-        theirs = press.score(module, torch.from_numpy(hidden)[None], torch.from_numpy(view.keys)[None],
-                             torch.from_numpy(view.values)[None], None, {})[0].numpy()
+        # The cache hands out read-only views; torch wants writable arrays, so give it copies.
+        theirs = press.score(module, torch.from_numpy(hidden)[None], torch.from_numpy(view.keys.copy())[None],
+                             torch.from_numpy(view.values.copy())[None], None, {})[0].numpy()
     ours = policy.score(view)
     # HF forms the RoPE frequencies in float32, so the scores agree to ~1e-8, not to the last bit.
     np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-9)
