@@ -115,7 +115,7 @@ def check_vector_file(candidate_path, reference_path, *, dtype=None, declare=Non
     if warnings:
         report.notes.append(f"warning: in {warnings} case(s) the tie rule accepts any swap at this precision "
                             f"(every pair of scores within tolerance)")
-    report.status = Status.FAIL if n_fail else (Status.TIE if n_tie else Status.OK)
+    report.status = Status.of(n_fail, n_tie)
     report.summary = (f"{len(ref.cases)} cases: {len(ref.cases) - n_fail} passed"
                       + (f" ({n_tie} with accepted ties)" if n_tie else "") + (f", {n_fail} failed" if n_fail else ""))
     return report

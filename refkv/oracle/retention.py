@@ -80,7 +80,7 @@ class RetentionResult:
 
     @property
     def status(self) -> Status:
-        return Status.FAIL if self.failure else (Status.TIE if self.ties else Status.OK)
+        return Status.of(self.failure, self.ties)
 
 
 def _threshold(sd: float, se: float, cd: int, ce: int, tolerance, rtol: float, atol: float) -> float:

@@ -27,6 +27,12 @@ class Status(str, Enum):
     FAIL = "fail"
     MISSING = "missing"
 
+    @classmethod
+    def of(cls, failed, tied) -> Status:
+        """The verdict of a comparison: ``FAIL`` if anything failed, else ``TIE`` if a tie was
+        accepted, else ``OK`` (the one rule every level uses)."""
+        return cls.FAIL if failed else (cls.TIE if tied else cls.OK)
+
     @property
     def passed(self) -> bool:
         return self in (Status.EQUAL, Status.OK, Status.TIE)

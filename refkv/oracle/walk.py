@@ -59,7 +59,7 @@ class EndToEndResult:
 
     @property
     def status(self) -> Status:
-        return Status.FAIL if self.failure else (Status.TIE if self.ties else Status.OK)
+        return Status.of(self.failure, self.ties)
 
 
 def decision_tolerance(scores: np.ndarray, rtol: float) -> np.ndarray:

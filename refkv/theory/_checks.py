@@ -15,26 +15,27 @@ from ..validation import check_float, check_int
 __all__ = ["check_float", "check_int"]
 
 
-def _vector(name: str, x, min_len: int = 1) -> np.ndarray:
-    x = np.asarray(x)
-    if x.ndim != 1 or x.shape[0] < min_len:
-        raise ValueError(f"{name} must be a 1-D array with at least {min_len} entries, got shape {x.shape}")
+def _finite_float(name: str, x: np.ndarray) -> np.ndarray:
+    """``x`` as floats (integers become float64), refusing NaN and inf."""
     if not np.issubdtype(x.dtype, np.floating):
         x = x.astype(np.float64)
     if not np.all(np.isfinite(x)):
         raise ValueError(f"{name} must be finite (no NaN or inf)")
     return x
+
+
+def _vector(name: str, x, min_len: int = 1) -> np.ndarray:
+    x = np.asarray(x)
+    if x.ndim != 1 or x.shape[0] < min_len:
+        raise ValueError(f"{name} must be a 1-D array with at least {min_len} entries, got shape {x.shape}")
+    return _finite_float(name, x)
 
 
 def _matrix(name: str, x, min_rows: int = 1) -> np.ndarray:
     x = np.asarray(x)
     if x.ndim != 2 or x.shape[0] < min_rows or x.shape[1] < 1:
         raise ValueError(f"{name} must be a 2-D (n, d) array with n >= {min_rows} and d >= 1, got shape {x.shape}")
-    if not np.issubdtype(x.dtype, np.floating):
-        x = x.astype(np.float64)
-    if not np.all(np.isfinite(x)):
-        raise ValueError(f"{name} must be finite (no NaN or inf)")
-    return x
+    return _finite_float(name, x)
 
 
 def _subset(name: str, subset, n: int) -> np.ndarray:
