@@ -425,7 +425,8 @@ def test_perplexity_grid_adds_token_by_token_cells_only_to_the_default_grid():
     by_token = [c for c in default if c["block"] == 1]
     names = {policy_name(c["policy"]) for c in by_token}
     assert names == set(perplexity.TOKEN_BY_TOKEN)
-    assert {c["budget"] for c in by_token} == {128} and {c["segment"] for c in by_token} == {0, 1}
+    assert {c["budget"] for c in by_token} == {128}
+    assert {(c["text"], c["segment"]) for c in by_token} == {("pydoc_prose", 0), ("kjv_narrative", 0)}
     custom = perplexity.cells(Settings(model="tiny", policies=("mat",), budgets=(64,)))
     assert {c["block"] for c in custom} == {32}
     assert {c["policy"] for c in custom} == {"full", "mat"}
@@ -454,8 +455,8 @@ def test_default_perplexity_grid_holds_the_comparable_baselines():
     # Equal peak memory: evict-after policies also at N - B, evict-before ones not.
     assert ("keydiff", 96, 32) in at and ("h2o:recent=0", 224, 32) in at
     assert ("hashevict", 96, 32) not in at and ("mat", 96, 32) not in at
-    # Both texts get every cell.
-    assert {c["segment"] for c in default} == {0, 1}
+    # Both texts get every cell: one from each prose source.
+    assert {(c["text"], c["segment"]) for c in default} == {("pydoc_prose", 0), ("kjv_narrative", 0)}
 
 
 def test_full_grid_sample_sizes():
@@ -463,7 +464,9 @@ def test_full_grid_sample_sizes():
 
     full = Settings(model="smollm2", full=True)
     ppl = perplexity.cells(full)
-    assert {c["segment"] for c in ppl} == set(range(8)) and {c["length"] for c in ppl} == {1024}
+    texts = {(c["text"], c["segment"]) for c in ppl}
+    assert texts == {(source, s) for source in ("pydoc_prose", "kjv_narrative") for s in range(4)}
+    assert {c["length"] for c in ppl} == {1024}
     keys = passkey.cells(full)
     assert {c["length"] for c in keys} == {1024, 2048, 4096}
     per_cell = [c for c in keys if c["policy"] == "keydiff" and c["budget"] == 256 and c["block"] == 128]
@@ -473,7 +476,8 @@ def test_full_grid_sample_sizes():
     assert len([c for c in attention_loss.cells(full) if c["kind"] == "alr"]) == 10
     assert {c["segment"] for c in geometry.cells(full) if c["kind"] == "cosine"} == set(range(10))
     # Settings override a grid's sample size; quick and full exclude each other.
-    assert {c["segment"] for c in perplexity.cells(Settings(model="tiny", texts=3))} == {0, 1, 2}
+    three = {(c["text"], c["segment"]) for c in perplexity.cells(Settings(model="tiny", texts=3))}
+    assert three == {("pydoc_prose", 0), ("kjv_narrative", 0), ("pydoc_prose", 1)}
     with pytest.raises(ValueError, match="exclusive"):
         Settings(quick=True, full=True)
     with pytest.raises(ValueError, match="texts"):
@@ -572,3 +576,35 @@ def test_perplexity_pairs_same_budget_and_equal_memory(rng):
     assert memory["difference"] == pytest.approx(expected) and memory["low"] <= expected <= memory["high"]
     assert rows[("hashevict", 16, "keydiff", 16)]["texts"] == 1                 # only the shared text
     assert rows[("hashevict", 16, "sink", 16)]["comparison"] == "same budget"
+
+
+def test_perplexity_pairs_keep_the_two_sources_apart(rng):
+    # Segment 0 of each source is a different text: pairing by segment alone would let one
+    # overwrite the other and halve the sample.
+    def rec(policy, text, nll):
+        return {"params": {"policy": policy, "budget": 16, "block": 4, "segment": 0, "text": text},
+                "result": {"nll": list(nll)}}
+
+    nll = rng.uniform(0.5, 3.0, size=(2, 2, 64))
+    records = [rec(policy, text, nll[i, j]) for i, policy in enumerate(("sink", "keydiff"))
+               for j, text in enumerate(("pydoc_prose", "kjv_narrative"))]
+    (row,) = perplexity.paired_gaps(records)
+    assert row["texts"] == 2 and row["tokens"] == 128
+    assert row["difference"] == pytest.approx(np.exp(nll[1].mean()) - np.exp(nll[0].mean()))
+
+
+def test_prose_sources_are_distinct_offline_and_long_enough(smollm2_tokenizer):
+    from refkv.experiments.common import text_source
+    from refkv.model.sample_text import PROSE_SOURCES, narrative_prose, prose
+
+    assert [text_source(i) for i in range(4)] == [("pydoc_prose", 0), ("kjv_narrative", 0),
+                                                  ("pydoc_prose", 1), ("kjv_narrative", 1)]
+    kjv = narrative_prose()
+    assert "Joseph" in kjv and "Nineveh" in kjv and not any(ch.isdigit() for ch in kjv)  # verse numbers gone
+    assert len(kjv.split("\n\n")) == 14 + 4 + 10 + 4                                   # one paragraph a chapter
+    # The powered grid's 8 texts of 1,024 tokens (4 a source) fit with room to spare.
+    for source in PROSE_SOURCES:
+        assert len(smollm2_tokenizer.encode(prose(source, 8 * 4 * 1024))) >= 4 * 1024 + 1
+    assert prose("pydoc_prose", 1000)[:200] != kjv[:200]
+    with pytest.raises(ValueError, match="source must be one of"):
+        prose("gutenberg", 10)

@@ -312,12 +312,12 @@ def test_cli_full_grid_and_sample_size_options(tmp_path, capsys):
     out = str(tmp_path / "res")
     assert main(["experiment", "perplexity", "--full", "--model", "tiny", "--dry-run", "--out", out]) == 0
     lines = capsys.readouterr().out.splitlines()
-    segments = {json.loads(line.split("\t")[2])["segment"] for line in lines}
-    assert segments == set(range(8))                    # the powered grid: 8 texts
+    texts = {(p["text"], p["segment"]) for p in (json.loads(line.split("\t")[2]) for line in lines)}
+    assert len(texts) == 8 and {t for t, _ in texts} == {"pydoc_prose", "kjv_narrative"}  # 8 texts, 2 sources
     args = ["experiment", "perplexity", "--model", "tiny", "--dry-run", "--out", out, "--policies", "sink",
             "--budgets", "40", "--texts", "3", "--text-length", "100"]
     assert main(args) == 0
     cells = [json.loads(line.split("\t")[2]) for line in capsys.readouterr().out.splitlines()]
-    assert {c["segment"] for c in cells} == {0, 1, 2} and {c["length"] for c in cells} == {100}
+    assert len({(c["text"], c["segment"]) for c in cells}) == 3 and {c["length"] for c in cells} == {100}
     assert main(["experiment", "passkey", "--quick", "--full", "--model", "tiny", "--dry-run", "--out", out]) == 2
     assert "error: quick and full are exclusive" in capsys.readouterr().err

@@ -14,9 +14,13 @@ every layer's RoPE'd queries, keys and values. It is the same computation as
 route is :func:`refkv.attention.attend` without weights, so nothing of size ``T x T``
 is kept. Experiments form attention weights per layer when they need them.
 
-**Text.** Real English prose is CPython's ``pydoc_data.topics``
-(:func:`refkv.model.sample_text.english_prose`), tokenised once; segment ``s`` of
-length ``T`` is tokens ``[s T, (s + 1) T)`` of that stream, so segments never overlap.
+**Text.** Real English prose from two offline sources
+(:data:`refkv.model.sample_text.PROSE_SOURCES`): CPython's ``pydoc_data.topics``
+(``"pydoc_prose"``, technical) and the shipped King James narrative chapters
+(``"kjv_narrative"``). Each source is tokenised once; segment ``s`` of length ``T`` is
+tokens ``[s T, (s + 1) T)`` of that stream, so segments of a source never overlap.
+Perplexity takes its texts from both sources in turn (:func:`text_source`); the other
+experiments read ``pydoc_prose``.
 """
 
 from __future__ import annotations
@@ -56,17 +60,15 @@ __all__ = [
     "policy_error",
     "prefill_or_skip",
     "prose_tokens",
+    "text_source",
     "write_csv",
 ]
 
 #: The CAOTE variants of the default list with FastCAOTE (Eq. 22) instead.
 FAST_CAOTE = tuple(f"{spec},fast=True" for spec in policies.policy_class("caote").experiment_specs)
 
-# Characters of prose every supported CPython's pydoc topics hold (3.11 has ~154,000).
-_ALL_PROSE = 120_000
-
 _MODELS: dict[tuple[str, str], tuple] = {}
-_TOKENS: dict[tuple[str, str], np.ndarray] = {}
+_TOKENS: dict[tuple[str, str, str], np.ndarray] = {}
 
 
 # -- models --------------------------------------------------------------------------------
@@ -158,26 +160,36 @@ def prefill_or_skip(params: dict, model, tokens, *, on_block=None):
 
 
 # -- text ----------------------------------------------------------------------------------
-def prose_tokens(model_name: str, dtype: str, length: int, segment: int = 0) -> np.ndarray:
-    """Tokens ``[segment * length, (segment + 1) * length)`` of the tokenised prose."""
+def prose_tokens(model_name: str, dtype: str, length: int, segment: int = 0,
+                 source: str = "pydoc_prose") -> np.ndarray:
+    """Tokens ``[segment * length, (segment + 1) * length)`` of the tokenised prose ``source``
+    (one of :data:`refkv.model.sample_text.PROSE_SOURCES`)."""
+    from ..model.sample_text import prose
+
     if length < 2 or segment < 0:
         raise ValueError(f"length must be >= 2 and segment >= 0, got {length} and {segment}")
     _, tokenizer = load_model(model_name, dtype)
-    key = (model_name, dtype)
+    key = (model_name, dtype, source)
     needed = (segment + 1) * length
     if key not in _TOKENS or len(_TOKENS[key]) < needed:
-        from ..model.sample_text import english_prose
-
-        try:  # ~4.5 characters per BPE token of English, 1 per byte token: 8 is generous
-            text = english_prose(needed * 8)
-        except ValueError:  # asked for more than there is: take (nearly) all of it
-            text = english_prose(_ALL_PROSE)
-        _TOKENS[key] = np.asarray(tokenizer.encode(text), dtype=np.int64)
+        # ~4.5 characters per BPE token of English, 1 per byte token: 8 is generous
+        _TOKENS[key] = np.asarray(tokenizer.encode(prose(source, needed * 8)), dtype=np.int64)
     tokens = _TOKENS[key]
     if len(tokens) < needed:
-        raise ValueError(f"the prose holds {len(tokens)} tokens; segment {segment} of length {length} "
-                         f"needs {needed}")
+        raise ValueError(f"the prose {source!r} holds {len(tokens)} tokens; segment {segment} of length "
+                         f"{length} needs {needed}")
     return tokens[segment * length:needed]
+
+
+def text_source(number: int) -> tuple[str, int]:
+    """Text ``number`` of a perplexity grid: ``(source, segment)``, taking the sources of
+    :data:`~refkv.model.sample_text.PROSE_SOURCES` in turn (text 0 is pydoc segment 0, text 1
+    King James segment 0, text 2 pydoc segment 1, ...), so any number of texts spans both."""
+    from ..model.sample_text import PROSE_SOURCES
+
+    if number < 0:
+        raise ValueError(f"number must be >= 0, got {number}")
+    return PROSE_SOURCES[number % len(PROSE_SOURCES)], number // len(PROSE_SOURCES)
 
 
 # -- dense captures ------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Perplexity of real English prose under eviction: CAOTE Table 4 and MAT Table 3 at small scale.
 
-The text (CPython's ``pydoc_data.topics`` prose, see
-:func:`refkv.experiments.common.prose_tokens`) streams through the engine in blocks of
+Each text (1,024-token segments taken in turn from two offline sources, CPython's
+``pydoc_data.topics`` prose and the shipped King James narrative chapters, see
+:func:`refkv.experiments.common.text_source`) streams through the engine in blocks of
 ``B`` tokens under budget ``N``; each block's logits are read *before* the block's own
 eviction, so every token is predicted from the cache that eviction left it (plus the
 earlier tokens of its own block). Perplexity is ``exp`` of the mean negative
@@ -66,6 +67,7 @@ from .common import (
     parse_spec,
     prefill_or_skip,
     prose_tokens,
+    text_source,
     write_csv,
 )
 from .plots import _none_last
@@ -108,8 +110,9 @@ def cells(settings: Settings) -> list[dict]:
     default_grid = not (settings.quick or settings.policies or settings.budgets or settings.blocks)
     policies, budgets, blocks_ = grid_axes(settings, policies, budgets, blocks_)
     out = []
-    for segment in range(texts):
-        base = {"model": model, "dtype": settings.dtype, "seed": settings.seed, "text": "pydoc_prose",
+    for number in range(texts):
+        source, segment = text_source(number)  # the two prose sources in turn
+        base = {"model": model, "dtype": settings.dtype, "seed": settings.seed, "text": source,
                 "length": length, "segment": segment}
         for block in blocks_:
             out.append({**base, "policy": "full", "budget": None, "block": block})
@@ -146,7 +149,8 @@ def cost(params: dict) -> float:
 def run_cell(params: dict) -> dict:
     """Stream the text through the engine; the NLL of every token under eviction."""
     model, _ = load_model(params["model"], params["dtype"])
-    tokens = prose_tokens(params["model"], params["dtype"], params["length"], params["segment"])
+    tokens = prose_tokens(params["model"], params["dtype"], params["length"], params["segment"],
+                          params.get("text", "pydoc_prose"))
     nll = np.empty(len(tokens) - 1)
 
     def score_block(start: int, logits: np.ndarray) -> None:
@@ -176,7 +180,7 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
     interval (paired block bootstrap over tokens, blocks of 64 resampled within each text:
     :func:`refkv.experiments.stats.perplexity_gap`), the configuration every parameter
     spells out, the peak cache size, and MAT's best cell of its grid."""
-    dense = {(r["params"]["segment"], r["params"]["block"]): r["result"] for r in records
+    dense = {(_text(r["params"]), r["params"]["block"]): r["result"] for r in records
              if r["params"]["policy"] == "full"}
     groups: dict[tuple, list[dict]] = {}
     for r in records:
@@ -192,8 +196,8 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
                      "ppl_evicted": None, "delta_ppl_evicted": None, "segments": len(sub)})
     for (policy, budget, block), group in groups.items():
         deltas, deltas_ev, ppls, ppls_ev, pairs = [], [], [], [], []
-        for r in sorted(group, key=lambda r: r["params"]["segment"]):
-            ref = dense.get((r["params"]["segment"], block)) or _any_block(dense, r["params"]["segment"])
+        for r in sorted(group, key=lambda r: _text(r["params"])):
+            ref = dense.get((_text(r["params"]), block)) or _any_block(dense, _text(r["params"]))
             res = r["result"]
             ppls.append(res["ppl"])
             if ref is None:
@@ -237,7 +241,7 @@ def paired_gaps(records: list[dict]) -> list[dict]:
     for r in records:
         p, res = r["params"], r["result"]
         if p["policy"] != "full" and "nll" in res:
-            nll.setdefault((p["policy"], p["budget"], p["block"]), {})[p["segment"]] = res["nll"]
+            nll.setdefault((p["policy"], p["budget"], p["block"]), {})[_text(p)] = res["nll"]
     keys = sorted(nll, key=lambda k: (_none_last(k[1]), _none_last(k[2]), k[0]))
     candidates = [(a, b, "same budget") for i, a in enumerate(keys) for b in keys[i + 1:] if a[1:] == b[1:]]
     for a in keys:
@@ -284,9 +288,14 @@ EXPERIMENT = register_experiment(Experiment(
     cells=cells, run=run_cell, summarise=summarise, cost=cost))
 
 
-def _any_block(dense: dict, segment: int) -> dict | None:
-    """A dense record of ``segment`` at any block size (without a budget, B changes only rounding)."""
-    for (seg, _), result in sorted(dense.items(), key=lambda item: _none_last(item[0][1])):
-        if seg == segment:
+def _text(params: dict) -> tuple[str, int]:
+    """A cell's text: ``(source, segment)`` (records before the second source are pydoc's)."""
+    return params.get("text", "pydoc_prose"), params["segment"]
+
+
+def _any_block(dense: dict, text: tuple[str, int]) -> dict | None:
+    """A dense record of ``text`` at any block size (without a budget, B changes only rounding)."""
+    for (key, _), result in sorted(dense.items(), key=lambda item: _none_last(item[0][1])):
+        if key == text:
             return result
     return None
