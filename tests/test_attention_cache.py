@@ -54,6 +54,22 @@ def test_single_tile_is_bitwise_the_weights_route(rng):
                                   attend(q, k, v, q_pos, k_pos, key_chunk=20)[0])
 
 
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 40), scale=st.sampled_from([1.0, 300.0]),
+       future=st.integers(0, 3))
+def test_single_query_route_matches_the_definition(seed, n, scale, future):
+    # B = 1 (decoding) takes its own route: per head two matrix-vector products over the
+    # whole KV head. Per-head shuffled positions, keys in the query's future, and logits
+    # of ~1e5 (a naive exp overflows) must all give the definition's output.
+    rng = np.random.default_rng(seed)
+    q, k, v, _, _ = random_qkv(rng, b=1, n=n + future, scale=scale)
+    k_pos = np.stack([rng.permutation(n + future) for _ in range(2)])
+    q_pos = np.array([n - 1])  # keys at positions n .. n + future - 1 are in its future
+    out, none = attend(q, k, v, q_pos, k_pos)
+    assert none is None
+    np.testing.assert_allclose(out, reference_attention(q, k, v, q_pos, k_pos), atol=1e-9, rtol=1e-12)
+    np.testing.assert_allclose(out, attend(q, k, v, q_pos, k_pos, return_weights=True)[0], atol=1e-9, rtol=1e-12)
+
+
 def test_gqa_group_mapping(rng):
     """Query head h reads KV head h // g: giving KV head 1 zero values zeroes heads 2 and 3 only."""
     q, k, v, q_pos, k_pos = random_qkv(rng)
