@@ -1,4 +1,4 @@
-"""Draw the "Which policy, which budget" figure from the published experiment tables.
+"""Draw the quality-against-budget figure from the published experiment tables.
 
 Run after ``refkv experiment ... --publish docs/_static/experiments`` (needs matplotlib)::
 
@@ -8,12 +8,16 @@ It reads ``docs/_static/experiments/perplexity/ppl.csv`` and
 ``docs/_static/experiments/passkey/accuracy.csv`` and writes, under
 ``docs/_static/choosing/``:
 
-* ``quality_vs_budget.csv`` -- every number the figure plots (one row per point);
-* ``quality_vs_budget.svg`` and ``.png`` -- left: the perplexity increase over no
-  eviction against the budget ``N`` (block ``B = 32``), one line per policy; right:
-  passkey accuracy at ``N = 256`` per policy, with block processing (``B = 128``) and
-  one-shot (``B = None``), against the no-eviction ceiling.
+* ``quality_vs_budget.csv`` -- every number the figure plots (one row per point), with its
+  95% interval (``low``, ``high``) and sample size ``n`` (tokens for perplexity, prompts for
+  passkey);
+* ``quality_vs_budget.svg`` and ``.png`` -- left: the perplexity increase over no eviction
+  against the budget ``N`` (block ``B = 32``), one line per policy, with the band of its
+  95% paired block-bootstrap interval; right: passkey accuracy at ``N = 256`` per policy,
+  with block processing (``B = 128``) and one-shot (``B = None``), Wilson 95% intervals,
+  against the no-eviction ceiling.
 
+The figure heads both the experiments page and the "choosing a policy" page.
 ``tests/test_docs.py`` recomputes the points from the experiment tables and fails when
 the committed CSV disagrees, so the figure cannot silently fall behind the experiments.
 """
@@ -21,11 +25,12 @@ the committed CSV disagrees, so the figure cannot silently fall behind the exper
 from __future__ import annotations
 
 import csv
+import io
 import itertools
-import os
 import sys
-import tempfile
 from pathlib import Path
+
+from refkv.files import atomic_write
 
 HERE = Path(__file__).resolve().parent
 EXPERIMENTS = HERE / "_static" / "experiments"
@@ -38,7 +43,7 @@ LABELS = {"h2o": "H2O", "caote:base=h2o": "H2O+CAOTE", "snapkv": "SnapKV", "tova
           "keydiff": "KeyDiff", "knorm": "L2 norm", "full": "no eviction"}
 PPL_BLOCK = "32"
 PASSKEY_BUDGET = "256"
-COLUMNS = ["panel", "policy", "budget", "block", "value"]
+COLUMNS = ["panel", "policy", "budget", "block", "value", "low", "high", "n"]
 
 
 def _read(path: Path) -> list[dict]:
@@ -47,107 +52,121 @@ def _read(path: Path) -> list[dict]:
 
 
 def points(experiments: Path = EXPERIMENTS) -> list[dict]:
-    """The figure's points: perplexity increase per (policy, N) and passkey accuracy per (policy, B).
+    """The figure's points: perplexity increase per (policy, N) and passkey accuracy per (policy, B),
+    each with its 95% interval and sample size.
 
     Values are rounded to 4 significant digits (what the CSV holds).
     """
     rows = []
     for r in _read(experiments / "perplexity" / "ppl.csv"):
         if r["policy"] in POLICIES and r["block"] == PPL_BLOCK and r["budget"]:
-            rows.append({"panel": "delta_ppl", "policy": r["policy"], "budget": r["budget"],
-                         "block": r["block"], "value": f"{float(r['delta_ppl']):.4g}"})
+            rows.append({"panel": "delta_ppl", "policy": r["policy"], "budget": r["budget"], "block": r["block"],
+                         "value": _g(r["delta_ppl"]), "low": _g(r["gap_low"]), "high": _g(r["gap_high"]),
+                         "n": r["tokens"]})
     for r in _read(experiments / "passkey" / "accuracy.csv"):
         if not r["accuracy"]:
             continue  # a skipped setting (the policy cannot run it)
         if r["policy"] == "full" or (r["policy"] in POLICIES and r["budget"] == PASSKEY_BUDGET):
-            rows.append({"panel": "passkey", "policy": r["policy"], "budget": r["budget"],
-                         "block": r["block"], "value": f"{float(r['accuracy']):.4g}"})
+            rows.append({"panel": "passkey", "policy": r["policy"], "budget": r["budget"], "block": r["block"],
+                         "value": _g(r["accuracy"]), "low": _g(r["acc_low"]), "high": _g(r["acc_high"]),
+                         "n": r["n"]})
     rows.sort(key=lambda r: (r["panel"], POLICIES.index(r["policy"]) if r["policy"] in POLICIES else -1,
                              int(r["budget"] or 0), r["block"]))
     return rows
 
 
-def _write_atomic(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def _g(value: str) -> str:
+    """A table's number to 4 significant digits; an empty cell stays empty."""
+    return f"{float(value):.4g}" if value not in ("", None) else ""
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    def write(tmp):
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, COLUMNS, lineterminator="\n")
-            writer.writeheader()
-            writer.writerows(rows)
-
-    _write_atomic(path, write)
+    out = io.StringIO()
+    writer = csv.DictWriter(out, COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(path, out.getvalue())
 
 
 def draw(rows: list[dict], out: Path = OUT) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    import math
-
     import matplotlib.pyplot as plt
 
     colors = dict(zip(POLICIES, plt.get_cmap("tab10").colors))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.6), gridspec_kw={"width_ratios": [1.25, 1]})
-    ends = []
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4.8), gridspec_kw={"width_ratios": [1.3, 1]})
+    ends, budgets = [], set()
     for policy in POLICIES:
-        pts = sorted((int(r["budget"]), float(r["value"])) for r in rows
+        pts = sorted((int(r["budget"]), float(r["value"]), float(r["low"] or r["value"]),
+                      float(r["high"] or r["value"])) for r in rows
                      if r["panel"] == "delta_ppl" and r["policy"] == policy)
         if not pts:
             continue
-        xs, ys = zip(*pts)
-        left.plot(xs, ys, "o-", color=colors[policy], label=LABELS[policy])
-        ends.append([math.log10(ys[-1]), xs[-1], ys[-1], policy])
+        xs, ys, lows, highs = zip(*pts)
+        budgets.update(xs)
+        left.plot(xs, ys, "o-", color=colors[policy], label=LABELS[policy], markersize=4)
+        left.fill_between(xs, lows, highs, color=colors[policy], alpha=0.15, linewidth=0)
+        ends.append([_symlog(ys[-1]), xs[-1], ys[-1], policy])
     # Line labels at the right ends, pushed apart where two lines end close together.
     ends.sort()
     for below, above in itertools.pairwise(ends):
-        above[0] = max(above[0], below[0] + 0.07)
+        above[0] = max(above[0], below[0] + 0.09)
     for label_y, x, y, policy in ends:
-        left.annotate(LABELS[policy], (x, y), xytext=(x + 8, 10 ** label_y), textcoords="data",
+        left.annotate(LABELS[policy], (x, y), xytext=(x + 10, _symlog_inverse(label_y)), textcoords="data",
                       va="center", fontsize=8, color=colors[policy])
-    left.set_yscale("log")
-    left.set_xticks([128, 256])
-    left.set_xlim(110, 330)
+    left.set_yscale("symlog", linthresh=0.1)
+    left.axhline(0, color="0.3", lw=0.8)
+    left.set_xticks(sorted(budgets))
+    left.set_xlim(min(budgets, default=96) - 12, max(budgets, default=256) + 85)
     left.set_xlabel("budget N (tokens per layer and KV head)")
     left.set_ylabel("perplexity increase over no eviction")
-    left.set_title(f"Perplexity, 1,024-token texts, B = {PPL_BLOCK}", fontsize=10)
-    left.grid(True, which="both", alpha=0.3)
+    tokens = sorted({int(r["n"]) for r in rows if r["panel"] == "delta_ppl" and r["n"]})
+    left.set_title(f"Perplexity, B = {PPL_BLOCK}, {tokens[-1] if tokens else '?'} tokens; bands: 95% CI",
+                   fontsize=10)
+    left.grid(True, which="major", alpha=0.3)
 
-    full = [float(r["value"]) for r in rows if r["panel"] == "passkey" and r["policy"] == "full"]
+    full = [r for r in rows if r["panel"] == "passkey" and r["policy"] == "full"]
     names = [p for p in POLICIES if any(r["panel"] == "passkey" and r["policy"] == p for r in rows)]
     for i, policy in enumerate(names):
-        for block, marker, shift in (("128", "o", -0.15), ("none", "s", 0.15)):
-            vals = [float(r["value"]) for r in rows if r["panel"] == "passkey" and r["policy"] == policy
-                    and r["block"] == block]
-            if vals:
-                right.plot(vals[0], i + shift, marker, color=colors[policy], markersize=7,
-                           markerfacecolor=colors[policy] if block == "128" else "white")
+        for block, marker, shift in (("128", "o", -0.17), ("none", "s", 0.17)):
+            hit = [r for r in rows if r["panel"] == "passkey" and r["policy"] == policy and r["block"] == block]
+            if hit:
+                x, lo, hi = (float(hit[0][k]) for k in ("value", "low", "high"))
+                right.errorbar(x, i + shift, xerr=[[x - lo], [hi - x]], fmt=marker, color=colors[policy],
+                               markersize=6, capsize=2, lw=1,
+                               markerfacecolor=colors[policy] if block == "128" else "white")
     if full:
-        right.axvline(full[0], color="0.3", ls="--", lw=1)
-        right.text(full[0], len(names) - 0.4, " no eviction", fontsize=8, color="0.3")
+        ceiling = float(full[0]["value"])
+        right.axvline(ceiling, color="0.3", ls="--", lw=1)
+        right.text(ceiling, len(names) - 0.4, " no eviction", fontsize=8, color="0.3")
     right.set_yticks(range(len(names)), [LABELS[p] for p in names])
     right.invert_yaxis()
     right.set_xlim(-0.05, 1.05)
-    right.set_xlabel("passkey accuracy (10 prompts of 1-2K tokens)")
+    prompts = sorted({int(r["n"]) for r in rows if r["panel"] == "passkey" and r["n"]})
+    right.set_xlabel(f"passkey accuracy ({prompts[-1] if prompts else '?'} prompts; bars: Wilson 95% CI)")
     right.set_title(f"Passkey, N = {PASSKEY_BUDGET}: filled B = 128, open one-shot", fontsize=10)
     right.grid(True, axis="x", alpha=0.3)
     fig.suptitle("SmolLM2-135M-Instruct: lower left and further right are better", fontsize=11)
     fig.tight_layout()
     for ext in ("svg", "png"):
-        _write_atomic(out / f"quality_vs_budget.{ext}",
-                      lambda tmp, ext=ext: fig.savefig(tmp, format=ext, dpi=110, metadata={"Date": None}
-                                                       if ext == "svg" else None))
+        data = io.BytesIO()
+        fig.savefig(data, format=ext, dpi=110, metadata={"Date": None} if ext == "svg" else None)
+        atomic_write(out / f"quality_vs_budget.{ext}", data.getvalue())
     plt.close(fig)
+
+
+def _symlog(y: float) -> float:
+    """Where ``y`` sits on the left panel's symlog axis (linear below 0.1), for label spacing."""
+    import math
+
+    return math.copysign(math.log10(1 + abs(y) / 0.1), y)
+
+
+def _symlog_inverse(t: float) -> float:
+    import math
+
+    return math.copysign(0.1 * (10 ** abs(t) - 1), t)
 
 
 def main(argv: list[str] | None = None) -> int:
