@@ -175,7 +175,7 @@ def _attend(q, k, v, q_pos, k_pos, return_weights: bool, key_chunk: int):
 def _attend_one_query(q, k, v, q_pos, k_pos) -> np.ndarray:
     """One query per head (decoding): ``softmax(K q / sqrt(d)) V`` per query head, with
     matrix-vector products over the head's whole KV head. (H, 1, d) -> (H, 1, d)."""
-    n_kv, n, d = k.shape
+    n_kv, _, d = k.shape
     heads = q.shape[0]
     g = heads // n_kv
     future = k_pos > q_pos[0]  # (Hkv, n): keys after the query (none when decoding)

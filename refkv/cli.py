@@ -412,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # `refkv run | head` is fine
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback; 130 = 128 + SIGINT, as shells report it
+        print("refkv: interrupted", file=sys.stderr)
+        return 130
     except OSError as err:  # unwritable or full output folder, a file given as a folder, ...
         print(f"refkv: error: {_os_error(err)}", file=sys.stderr)
         return 2

@@ -547,3 +547,67 @@ def test_reliability_table_matches_attack_tests():
     assert not missing, f"table rows without a test_attack_13_NN_* test: {missing}"
     extra = sorted(set(tested) - set(rows))
     assert not extra, f"tests for items not in the table: {extra}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_interrupting_only_the_parent_stops_the_workers_at_once(tmp_path):
+    """SIGINT to the parent of a ``--jobs 2`` run alone (``kill -INT PID``, a supervisor; a
+    terminal's Ctrl-C would reach the workers too) while both workers are inside a 120 s
+    cell: the run ends within seconds, not when the cells finish, and no worker outlives it."""
+    (tmp_path / "slowpoke_module.py").write_text(_SLOW_EXPERIMENT)
+    markers = tmp_path / "started"
+    markers.mkdir()
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import io, signal, slowpoke_module
+        from refkv.experiments import runner
+        # As in an interactive shell: a background job (CI, this test's own runner) may
+        # start with SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            runner.run(slowpoke_module.SLOW, out={str(tmp_path / 'out')!r}, jobs=2, summarise=False,
+                       stream=io.StringIO())
+        except KeyboardInterrupt:
+            sys.exit(130)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    parent = subprocess.Popen([sys.executable, "-c", script], env=env, start_new_session=True)
+    workers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(markers.iterdir())) < 2 and time.monotonic() < deadline and parent.poll() is None:
+            time.sleep(0.2)
+        assert len(list(markers.iterdir())) == 2, "the two workers never started their cells"
+        workers = _children(parent.pid)
+        os.kill(parent.pid, signal.SIGINT)
+        assert parent.wait(timeout=15) == 130
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(_alive(w) for w in workers):
+            time.sleep(0.1)
+        assert not [w for w in workers if _alive(w)]
+    finally:
+        for pid in [parent.pid, *workers]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
+    from refkv.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("refkv.experiments.runner.run", interrupted)
+    out = tmp_path / "res"
+    assert main(["experiment", "passkey", "--quick", "--model", "tiny", "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"interrupted; every finished cell is kept in {out}/" in err
+    monkeypatch.setattr("refkv.cli._cmd_generate", interrupted)
+    import refkv.cli as cli
+
+    parser_func = cli.build_parser().parse_args(["generate", "x"]).func
+    assert parser_func is interrupted
+    assert main(["generate", "hello", "--model", "tiny"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "refkv: interrupted"

@@ -112,8 +112,13 @@ def _cmd_experiment(args) -> int:
 
             executor = stack.enter_context(dask_executor(args.scheduler, n_workers=args.jobs))
         stack.enter_context(blas_threads(choice.n if args.jobs == 1 and executor is None else 1))
-        records = run(experiments, settings, out=args.out, jobs=args.jobs, summarise=not args.no_summary,
-                      executor=executor, threads_per_job=choice.n)
+        try:
+            records = run(experiments, settings, out=args.out, jobs=args.jobs, summarise=not args.no_summary,
+                          executor=executor, threads_per_job=choice.n)
+        except KeyboardInterrupt:
+            print(f"\nrefkv experiment: interrupted; every finished cell is kept in {args.out}/: run the "
+                  f"same command to resume", file=sys.stderr, flush=True)
+            return 130  # 128 + SIGINT, as shells report it
     elapsed = time.perf_counter() - start
     if args.publish:
         _publish(args.out, args.publish, list(records))

@@ -645,10 +645,27 @@ def _run_parallel(tasks: list[_Task], jobs: int, threads: int, progress: Progres
         executor = ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_exit_with_parent)
         try:
             _drain(executor, tasks, progress)
-        except BaseException:
+        except BaseException:  # an error, or Ctrl-C: the finished cells are recorded already
+            _stop_workers(executor)  # first: shutdown() forgets the worker processes
             executor.shutdown(wait=False, cancel_futures=True)
             raise
         executor.shutdown(wait=True)
+
+
+def _stop_workers(executor: ProcessPoolExecutor) -> None:
+    """End the worker processes now, in the middle of their cells.
+
+    ``shutdown(cancel_futures=True)`` cancels only cells not yet started; the running ones
+    would hold the interpreter's exit until they finish (minutes), and their results could
+    not be recorded anyway. A Ctrl-C typed in a terminal reaches the workers too, but
+    ``kill -INT`` of the parent alone (or a supervisor's SIGINT) does not, hence this.
+    """
+    terminate = getattr(executor, "terminate_workers", None)  # Python >= 3.14
+    if terminate is not None:
+        terminate()
+        return
+    for process in list((getattr(executor, "_processes", None) or {}).values()):
+        process.terminate()
 
 
 def _drain(executor, tasks: list[_Task], progress: Progress) -> None:
