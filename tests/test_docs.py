@@ -123,10 +123,7 @@ def test_choosing_figure_matches_the_published_experiments():
     """docs/_static/choosing/quality_vs_budget.csv holds what docs/choosing_figure.py computes now."""
     import csv
 
-    spec = importlib.util.spec_from_file_location("choosing_figure", DOCS / "choosing_figure.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    expected = module.points()
+    expected = _load_docs_script("choosing_figure").points()
     with open(DOCS / "_static" / "choosing" / "quality_vs_budget.csv", newline="", encoding="utf-8") as f:
         committed = list(csv.DictReader(f))
     assert committed == expected, "the experiments changed: rerun `python docs/choosing_figure.py`"
@@ -137,6 +134,61 @@ def test_choosing_figure_matches_the_published_experiments():
     h2o = {r["budget"]: r["value"] for r in expected if r["panel"] == "delta_ppl" and r["policy"] == "h2o"}
     page = (DOCS / "guide" / "choosing.rst").read_text(encoding="utf-8")
     assert f"{float(h2o['128']):.2f}" in page and f"{float(h2o['256']):.2f}" in page
+
+
+def _load_docs_script(name):
+    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_verdict_table_matches_the_published_experiments():
+    """docs/_static/experiments/verdicts.csv holds what docs/experiment_verdicts.py computes now,
+    and every verdict follows the fixed rule from its interval."""
+    import csv
+
+    expected = _load_docs_script("experiment_verdicts").rows()
+    with open(DOCS / "_static" / "experiments" / "verdicts.csv", newline="", encoding="utf-8") as f:
+        committed = list(csv.DictReader(f))
+    assert committed == expected, "the experiments changed: rerun `python docs/experiment_verdicts.py`"
+    assert len(committed) >= 20
+    for row in committed:
+        low, high = float(row["low"]), float(row["high"])
+        higher_is_better = row["measure"].startswith("accuracy")
+        claimed = low > 0 if higher_is_better else high < 0
+        opposite = high < 0 if higher_is_better else low > 0
+        assert row["verdict"] == ("holds" if claimed else "reversed" if opposite else "not resolved"), row
+        assert low <= float(row["difference"]) <= high and int(row["n"].split()[0]) > 0
+
+
+def test_verdict_rule_by_hand(tmp_path):
+    """A hand-made set of published tables gives the verdicts the rule says."""
+    module = _load_docs_script("experiment_verdicts")
+    (tmp_path / "passkey").mkdir()
+    (tmp_path / "perplexity").mkdir()
+    (tmp_path / "attention_loss").mkdir()
+    (tmp_path / "passkey" / "pairs.csv").write_text(
+        "policy_a,policy_b,budget,block,prompts,acc_a,acc_b,difference,diff_low,diff_high,only_a,only_b,mcnemar_p\n"
+        "keydiff,tova,256,128,50,0.6,0.2,0.4,0.3,0.5,20,0,0.0\n"     # holds; excludes 0 and +0.28
+        "snapkv,keydiff,256,128,50,0.5,0.4,0.1,-0.1,0.3,6,1,0.1\n")  # reversed pair: keydiff - snapkv = -0.1
+    (tmp_path / "perplexity" / "ppl_pairs.csv").write_text(
+        "policy_a,budget_a,policy_b,budget_b,block,comparison,texts,tokens,difference,low,high,interval\n"
+        "hashevict,128,knorm,96,32,equal peak memory,2,2046,0.5,0.2,0.8,x\n")  # reversed: HashEvict worse
+    (tmp_path / "perplexity" / "ppl.csv").write_text("policy,budget,block,delta_ppl,best_of_grid\nknorm,96,32,2.0,\n")
+    (tmp_path / "attention_loss" / "step_loss_pairs.csv").write_text(
+        "policy_a,policy_b,budget,block,prompts,difference,low,high\n")
+    (tmp_path / "attention_loss" / "step_loss.csv").write_text("policy,budget,mean_loss\n")
+    got = {(r["a"], r["b"], r["setting"]): r for r in module.rows(tmp_path)}
+    assert got[("keydiff", "tova", "N = 256, B = 128")]["verdict"] == "holds"
+    assert got[("keydiff", "tova", "N = 256, B = 128")]["excludes"] == "paper and zero"
+    kd_snap = got[("keydiff", "snapkv", "N = 256, B = 128")]
+    assert (kd_snap["difference"], kd_snap["low"], kd_snap["high"]) == ("-0.1", "-0.3", "+0.1")
+    assert kd_snap["verdict"] == "not resolved" and kd_snap["excludes"] == "paper"
+    he = got[("hashevict", "knorm", "N = 128 vs 96 (equal peak memory), B = 32")]
+    assert he["verdict"] == "reversed" and he["paper_effect"] == "-1.58"  # -0.79 x L2's gap of 2.0
+    assert len(got) == 3  # claims whose cells were not run are left out
 
 
 def test_intersphinx_inventories_list_every_numpy_and_scipy_reference():
