@@ -62,8 +62,10 @@ def causal_logits(q: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.nda
     """
     n_kv, n, d = k.shape
     qg = _group(q, n_kv)
-    b = qg.shape[2]
-    logits = qg @ k[:, None].swapaxes(-1, -2)
+    g, b = qg.shape[1], qg.shape[2]
+    # The g query heads of a KV head, stacked, meet its keys in one product: (Hkv, g B, d) @
+    # (Hkv, d, n). Broadcasting k over g instead would pack every key tile g times.
+    logits = (qg.reshape(n_kv, g * b, d) @ k.swapaxes(-1, -2)).reshape(n_kv, g, b, n)
     logits *= 1.0 / float(np.sqrt(d))  # in place: the (Hkv, g, B, n) array is the big one
     # Only keys later than the earliest query can be in some query's future, so the mask
     # starts at the first such column (in the engine: the block's own keys).
@@ -144,7 +146,7 @@ def _attend(q, k, v, q_pos, k_pos, return_weights: bool, key_chunk: int):
         logits -= logits.max(axis=-1, keepdims=True)
         p = np.exp(logits, out=logits)
         total = p.sum(axis=-1, keepdims=True)  # (Hkv, g, B, 1)
-        out = (p @ v[:, None]) / total  # (Hkv, g, B, n) @ (Hkv, 1, n, d) -> (Hkv, g, B, d)
+        out = _weighted_values(p, v) / total  # (Hkv, g, B, d)
         p /= total
         return out.reshape(heads, b, d), p  # (H, B, d), (Hkv, g, B, n)
 
@@ -167,7 +169,7 @@ def _attend(q, k, v, q_pos, k_pos, return_weights: bool, key_chunk: int):
         s -= safe
         p = np.exp(s, out=s)
         l = l * correction + p.sum(axis=-1, keepdims=True)
-        acc = acc * correction + p @ v[:, None, start:stop]  # (Hkv, g, B, c) @ (Hkv, 1, c, d)
+        acc = acc * correction + _weighted_values(p, v[:, start:stop])  # (Hkv, g, B, d)
         m = m_new
     return (acc / l).reshape(heads, b, d), None  # (H, B, d)
 
@@ -190,6 +192,13 @@ def _attend_one_query(q, k, v, q_pos, k_pos) -> np.ndarray:
         np.exp(s, out=s)
         out[h, 0] = (s @ v[h // g]) / s.sum()  # (n,) @ (n, d) -> (d,)
     return out
+
+
+def _weighted_values(p: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """``p @ v`` per KV head with the group's rows stacked: (Hkv, g, B, n) x (Hkv, n, d) ->
+    (Hkv, g, B, d), as one (g B, n) @ (n, d) product per KV head (see :func:`causal_logits`)."""
+    n_kv, g, b, n = p.shape
+    return (p.reshape(n_kv, g * b, n) @ v).reshape(n_kv, g, b, v.shape[-1])
 
 
 def _group(q: np.ndarray, n_kv: int) -> np.ndarray:

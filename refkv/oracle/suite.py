@@ -764,7 +764,10 @@ def _json_diff(a, b, where: str, dtype: str, out: Differences) -> None:
                     conv = [[{"nan": math.nan, "inf": math.inf, "-inf": -math.inf}.get(x, x) if isinstance(x, str)
                              else x for x in side["data"]] for side in (a, b)]
                     x, y = (np.array(c, dtype=np.float64) for c in conv)
-                    out.floats.append((where, _scaled(x, y), a["dtype"], a["data"], b["data"]))
+                    # Bounded by the coarser of the array's dtype and its case's: a float64
+                    # array computed by a float32 run (H2O's accumulator) moves like float32.
+                    coarser = "float32" if "float32" in (a["dtype"], dtype) else a["dtype"]
+                    out.floats.append((where, _scaled(x, y), coarser, a["data"], b["data"]))
                 else:
                     out.decisions.append(f"{where}: {a['data']!r} vs {b['data']!r}")
             return
