@@ -608,3 +608,16 @@ def test_prose_sources_are_distinct_offline_and_long_enough(smollm2_tokenizer):
     assert prose("pydoc_prose", 1000)[:200] != kjv[:200]
     with pytest.raises(ValueError, match="source must be one of"):
         prose("gutenberg", 10)
+
+
+def test_default_passkey_grid_runs_one_shot_only_for_the_one_shot_claim():
+    from refkv.experiments.runner import Settings
+
+    default = passkey.cells(Settings(model="smollm2"))
+    one_shot = {c["policy"] for c in default if c["block"] is None and c["policy"] != "full"}
+    assert one_shot == set(passkey.ONE_SHOT_POLICIES)
+    assert {"knorm", "mat", "hashevict", "keydiff:reserve=0.25"} <= {c["policy"] for c in default if c["block"] == 128}
+    full = passkey.cells(Settings(model="smollm2", full=True))
+    assert {"knorm", "scissorhands"} <= {c["policy"] for c in full if c["block"] is None}
+    chosen = passkey.cells(Settings(model="smollm2", policies=("knorm",), blocks=(None,)))
+    assert {c["block"] for c in chosen if c["policy"] == "knorm"} == {None}  # asked for: always run

@@ -165,9 +165,17 @@ def _key(seed: int, length: int, depth: float, sample: int) -> int:
 PASSKEY_BASELINES = tuple(spec for spec in COMPARABLE_BASELINES if not spec.startswith("caote"))
 
 
+#: The policies the default grid also runs with one-shot prefill (``B = None``): those of
+#: KeyDiff's claim that the gap to attention-based policies closes without blocks (Sec. 4.2),
+#: and sink as the reference. One-shot cells at 2K tokens are the grid's most expensive
+#: (the full T x T attention), so the other policies run one-shot only in ``--full``.
+ONE_SHOT_POLICIES = ("keydiff", "snapkv", "tova", "h2o", "h2o:recent=0", "caote:base=h2o", "sink")
+
+
 # -- the grid ------------------------------------------------------------------------------
 def cells(settings: Settings) -> list[dict]:
-    """The grid: prompts x (ceiling + policies x budgets x block sizes)."""
+    """The grid: prompts x (ceiling + policies x budgets x block sizes); the default grid runs
+    one-shot prefill for :data:`ONE_SHOT_POLICIES` only."""
     model = settings.resolved_model()
     real = model != "tiny"
     if settings.quick:
@@ -184,6 +192,8 @@ def cells(settings: Settings) -> list[dict]:
         lengths = settings.passkey_lengths
     if settings.quick and settings.passkey_prompts is not None:
         depths, samples = DEPTHS, -(-settings.passkey_prompts // len(DEPTHS))
+    trimmed = not (settings.quick or settings.full or settings.policies or settings.blocks)
+    one_shot = {canonical_spec(p) for p in ONE_SHOT_POLICIES}
     policies = [canonical_spec(p) for p in (settings.policies or policies)]
     budgets = list(settings.budgets or budgets)
     blocks = list(settings.blocks or blocks)
@@ -200,6 +210,8 @@ def cells(settings: Settings) -> list[dict]:
                         continue
                     for budget in budgets:
                         for block in blocks:
+                            if block is None and trimmed and policy not in one_shot:
+                                continue
                             out.append({**prompt, "policy": policy, "budget": budget, "block": block})
     return out
 
