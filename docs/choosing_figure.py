@@ -43,6 +43,8 @@ LABELS = {"h2o": "H2O", "caote:base=h2o": "H2O+CAOTE", "snapkv": "SnapKV", "tova
           "keydiff": "KeyDiff", "knorm": "L2 norm", "full": "no eviction"}
 PPL_BLOCK = "32"
 PASSKEY_BUDGET = "256"
+#: The left panel's lowest perplexity increase (log axis).
+FLOOR = 0.03
 COLUMNS = ["panel", "policy", "budget", "block", "value", "low", "high", "n"]
 
 
@@ -61,7 +63,7 @@ def points(experiments: Path = EXPERIMENTS) -> list[dict]:
     for r in _read(experiments / "perplexity" / "ppl.csv"):
         if r["policy"] in POLICIES and r["block"] == PPL_BLOCK and r["budget"]:
             rows.append({"panel": "delta_ppl", "policy": r["policy"], "budget": r["budget"], "block": r["block"],
-                         "value": _g(r["delta_ppl"]), "low": _g(r["gap_low"]), "high": _g(r["gap_high"]),
+                         "value": _g(r["gap"]), "low": _g(r["gap_low"]), "high": _g(r["gap_high"]),
                          "n": r["tokens"]})
     for r in _read(experiments / "passkey" / "accuracy.csv"):
         if not r["accuracy"]:
@@ -92,6 +94,8 @@ def draw(rows: list[dict], out: Path = OUT) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    import math
+
     import matplotlib.pyplot as plt
 
     colors = dict(zip(POLICIES, plt.get_cmap("tab10").colors))
@@ -106,17 +110,19 @@ def draw(rows: list[dict], out: Path = OUT) -> None:
         xs, ys, lows, highs = zip(*pts)
         budgets.update(xs)
         left.plot(xs, ys, "o-", color=colors[policy], label=LABELS[policy], markersize=4)
-        left.fill_between(xs, lows, highs, color=colors[policy], alpha=0.15, linewidth=0)
-        ends.append([_symlog(ys[-1]), xs[-1], ys[-1], policy])
+        # A band's lower end at or below 0 is drawn at the axis floor (the axis is logarithmic).
+        left.fill_between(xs, [max(lo, FLOOR) for lo in lows], highs, color=colors[policy], alpha=0.15,
+                          linewidth=0)
+        ends.append([math.log10(ys[-1]), xs[-1], ys[-1], policy])
     # Line labels at the right ends, pushed apart where two lines end close together.
     ends.sort()
     for below, above in itertools.pairwise(ends):
-        above[0] = max(above[0], below[0] + 0.09)
+        above[0] = max(above[0], below[0] + 0.06)
     for label_y, x, y, policy in ends:
-        left.annotate(LABELS[policy], (x, y), xytext=(x + 10, _symlog_inverse(label_y)), textcoords="data",
+        left.annotate(LABELS[policy], (x, y), xytext=(x + 10, 10 ** label_y), textcoords="data",
                       va="center", fontsize=8, color=colors[policy])
-    left.set_yscale("symlog", linthresh=0.1)
-    left.axhline(0, color="0.3", lw=0.8)
+    left.set_yscale("log")
+    left.set_ylim(FLOOR, None)
     left.set_xticks(sorted(budgets))
     left.set_xlim(min(budgets, default=96) - 12, max(budgets, default=256) + 85)
     left.set_xlabel("budget N (tokens per layer and KV head)")
@@ -139,7 +145,7 @@ def draw(rows: list[dict], out: Path = OUT) -> None:
     if full:
         ceiling = float(full[0]["value"])
         right.axvline(ceiling, color="0.3", ls="--", lw=1)
-        right.text(ceiling, len(names) - 0.4, " no eviction", fontsize=8, color="0.3")
+        right.text(ceiling, len(names) - 0.9, " no eviction", fontsize=8, color="0.3")
     right.set_yticks(range(len(names)), [LABELS[p] for p in names])
     right.invert_yaxis()
     right.set_xlim(-0.05, 1.05)
@@ -154,19 +160,6 @@ def draw(rows: list[dict], out: Path = OUT) -> None:
         fig.savefig(data, format=ext, dpi=110, metadata={"Date": None} if ext == "svg" else None)
         atomic_write(out / f"quality_vs_budget.{ext}", data.getvalue())
     plt.close(fig)
-
-
-def _symlog(y: float) -> float:
-    """Where ``y`` sits on the left panel's symlog axis (linear below 0.1), for label spacing."""
-    import math
-
-    return math.copysign(math.log10(1 + abs(y) / 0.1), y)
-
-
-def _symlog_inverse(t: float) -> float:
-    import math
-
-    return math.copysign(0.1 * (10 ** abs(t) - 1), t)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ Run after ``refkv experiment all --publish docs/_static/experiments``::
     python docs/experiment_verdicts.py
 
 It reads the paired comparisons the experiments wrote (``passkey/pairs.csv``,
-``perplexity/ppl_pairs.csv``, ``attention_loss/step_loss_pairs.csv``) and the per-policy
+``perplexity/ppl_pairs.csv``, ``attention_loss/step_loss_pairs.csv`` and
+``output_error_pairs.csv``) and the per-policy
 tables, and writes ``docs/_static/experiments/verdicts.csv``: one row per tested claim
 with the measured paired difference, its 95% interval and sample size, the effect the
 paper reports *scaled to this model*, and which of the two (paper effect, no effect) the
@@ -17,7 +18,11 @@ Rules, fixed here so that no verdict is chosen after seeing the numbers:
   higher (``A - B > 0``); for perplexity and attention loss better is lower (``A - B < 0``).
 * **Verdict.** ``holds`` when the 95% interval excludes 0 on the claimed side;
   ``reversed`` when it excludes 0 on the other side; ``not resolved`` when it contains 0
-  (the data cannot tell the two apart at this sample size).
+  (the data cannot tell the two apart at this sample size). For passkey, where a cell has
+  a handful of prompts, McNemar's exact test decides whether 0 is excluded (``p < 0.05``,
+  column ``p``): the paired bootstrap interval of a difference of a few binary outcomes is
+  too narrow (5 prompts only A answered and none only B answered give a bootstrap
+  interval of [+0.2, +0.8] out of 10, but an exact p of 0.0625).
 * **Paper effect, scaled.** The papers measure other models, tasks and metrics, so an
   effect is carried over as a *fraction of a gap*, which does not depend on the scale of
   the metric: e.g. CAOTE Table 4 removes a median 0.12 of H2O's perplexity gap to dense,
@@ -43,7 +48,7 @@ from refkv.files import atomic_write
 HERE = Path(__file__).resolve().parent
 EXPERIMENTS = HERE / "_static" / "experiments"
 OUT = EXPERIMENTS / "verdicts.csv"
-COLUMNS = ["claim", "a", "b", "setting", "measure", "n", "difference", "low", "high", "paper_effect",
+COLUMNS = ["claim", "a", "b", "setting", "measure", "n", "difference", "low", "high", "p", "paper_effect",
            "paper_basis", "excludes", "verdict"]
 
 ATTENTION_BASED = ("snapkv", "tova", "h2o", "h2o:recent=0")
@@ -55,7 +60,7 @@ class Claim:
     """One tested claim: A better than B on ``measure`` in the setting ``where``."""
 
     claim: str
-    measure: str  # "passkey", "perplexity" or "step_loss"
+    measure: str  # "passkey", "perplexity", "step_loss" or "output_error"
     a: str
     b: str
     where: dict  # budget / block (and budget_b for the equal-memory pairs)
@@ -107,6 +112,10 @@ def claims() -> list[Claim]:
                              spec, base, {"budget": budget, "block": "32"}, fraction=f,
                              basis=f"CAOTE Table 4, Llama-3.2-3B, B = 128: CAOTE removes {text} of "
                                    f"{base.split(':')[0]}'s perplexity gap to dense; scaled: -{f} x its gap"))
+    for base in ("h2o", "tova", "snapkv"):
+        out.append(Claim("CAOTE lowers the attention output error (CAOTE Fig. 3)", "output_error",
+                         f"caote:base={base}", base, {"budget": "256", "block": "128"},
+                         basis="CAOTE Fig. 3 (App. C.4): 'always produces a smaller gap'; no number given"))
     out.append(Claim("MAT beats StreamingLLM at equal budget (MAT Table 3)", "perplexity", "mat", "sink",
                      {"budget": "128", "block": "1"}, fraction=0.23, basis=MAT))
     for budget in ("128", "256"):
@@ -119,8 +128,9 @@ def claims() -> list[Claim]:
                          {"budget": "128", "budget_b": "96", "block": "32"}, fraction=0.79, basis=HASHEVICT_QUALITY))
         out.append(Claim("HashEvict loses less attention than L2 (HashEvict Table 3)", "step_loss", "hashevict", b,
                          {"budget": "256", "block": "1"}, fraction=0.012, basis=HASHEVICT_LOSS))
-    out.append(Claim("H2O loses less attention than HashEvict (HashEvict Table 3)", "step_loss", "h2o:recent=0",
-                     "hashevict", {"budget": "256", "block": "1"}, fraction=0.59, basis=H2O_LOSS))
+    for a in ("h2o", "h2o:recent=0"):  # H2O as its paper defines it (with a recent window), and without
+        out.append(Claim("H2O loses less attention than HashEvict (HashEvict Table 3)", "step_loss", a,
+                         "hashevict", {"budget": "256", "block": "1"}, fraction=0.59, basis=H2O_LOSS))
     return out
 
 
@@ -141,6 +151,7 @@ class Tables:
         self.passkey_pairs = _read(experiments / "passkey" / "pairs.csv")
         self.ppl_pairs = _read(experiments / "perplexity" / "ppl_pairs.csv")
         self.step_pairs = _read(experiments / "attention_loss" / "step_loss_pairs.csv")
+        self.error_pairs = _read(experiments / "attention_loss" / "output_error_pairs.csv")
         self.ppl = {(r["policy"], _norm(r["budget"]), _norm(r["block"])): r
                     for r in _read(experiments / "perplexity" / "ppl.csv")}
         self.step = {(r["policy"], _norm(r["budget"])): r
@@ -169,8 +180,9 @@ class Tables:
                 return ((r["policy_a"], r["policy_b"]) == (x, y) and (_norm(r["budget_a"]), _norm(r["budget_b"]))
                         == budgets and _norm(r["block"]) == w["block"])
         else:
-            rows, match = self.step_pairs, lambda r, x, y: (r["policy_a"], r["policy_b"]) == (x, y) and \
-                _norm(r["budget"]) == w["budget"] and _norm(r["block"]) == w["block"]
+            rows = self.step_pairs if claim.measure == "step_loss" else self.error_pairs
+            match = lambda r, x, y: (r["policy_a"], r["policy_b"]) == (x, y) and \
+                _norm(r["budget"]) == w["budget"] and _norm(r["block"]) == w["block"]  # noqa: E731
         for sign, (x, y) in ((1.0, (a, claim.b)), (-1.0, (claim.b, a))):
             for r in rows:
                 if match(r, x, y):
@@ -183,7 +195,7 @@ class Tables:
         w = claim.where
         if claim.measure == "perplexity":
             row = self.ppl.get((claim.b, w.get("budget_b", w["budget"]), w["block"]))
-            return float(row["delta_ppl"]) if row else None
+            return float(row["gap"]) if row else None  # the pooled gap, whose interval the pairs share
         if claim.measure == "step_loss":
             row = self.step.get((claim.b, w["budget"]))
             return float(row["mean_loss"]) if row else None
@@ -205,7 +217,7 @@ def verdict_row(claim: Claim, tables: Tables) -> dict | None:
     d, lo, hi = (sign * float(row[k]) for k in keys)
     lo, hi = min(lo, hi), max(lo, hi)
     n = row.get("prompts") if claim.measure != "perplexity" else row["tokens"]
-    unit = {"passkey": "prompts", "perplexity": "tokens", "step_loss": "prompts"}[claim.measure]
+    unit = "tokens" if claim.measure == "perplexity" else "prompts"
     better_is_higher = claim.measure == "passkey"
     if claim.plain is not None:
         effect = claim.plain
@@ -213,20 +225,23 @@ def verdict_row(claim: Claim, tables: Tables) -> dict | None:
         effect = -claim.fraction * tables.scale(claim)
     else:
         effect = None
-    if (lo > 0) if better_is_higher else (hi < 0):
+    p = float(row["mcnemar_p"]) if claim.measure == "passkey" else None
+    zero_excluded = p < 0.05 if p is not None else not lo <= 0.0 <= hi
+    if zero_excluded and (d > 0) == better_is_higher:
         verdict = "holds"
-    elif (hi < 0) if better_is_higher else (lo > 0):
+    elif zero_excluded:
         verdict = "reversed"
     else:
         verdict = "not resolved"
-    excluded = [name for name, value in (("paper", effect), ("zero", 0.0))
-                if value is not None and not lo <= value <= hi]
+    excluded = ["paper"] if effect is not None and not lo <= effect <= hi else []
+    excluded += ["zero"] if zero_excluded else []
     w = claim.where
     budget = w["budget"] if "budget_b" not in w else f"{w['budget']} vs {w['budget_b']} (equal peak memory)"
     return {"claim": claim.claim, "a": a, "b": claim.b, "setting": f"N = {budget}, B = {w['block']}",
             "measure": {"passkey": "accuracy A - B", "perplexity": "perplexity A - B",
-                        "step_loss": "attention loss A - B"}[claim.measure],
+                        "step_loss": "attention loss A - B", "output_error": "output error A - B"}[claim.measure],
             "n": f"{n} {unit}", "difference": f"{d:+.4g}", "low": f"{lo:+.4g}", "high": f"{hi:+.4g}",
+            "p": "" if p is None else f"{p:.3g}",
             "paper_effect": "" if effect is None else f"{effect:+.4g}", "paper_basis": claim.basis,
             "excludes": " and ".join(excluded) if excluded else "neither", "verdict": verdict}
 

@@ -155,11 +155,11 @@ def test_verdict_table_matches_the_published_experiments():
     assert committed == expected, "the experiments changed: rerun `python docs/experiment_verdicts.py`"
     assert len(committed) >= 20
     for row in committed:
-        low, high = float(row["low"]), float(row["high"])
+        low, high, d = float(row["low"]), float(row["high"]), float(row["difference"])
         higher_is_better = row["measure"].startswith("accuracy")
-        claimed = low > 0 if higher_is_better else high < 0
-        opposite = high < 0 if higher_is_better else low > 0
-        assert row["verdict"] == ("holds" if claimed else "reversed" if opposite else "not resolved"), row
+        zero_out = float(row["p"]) < 0.05 if higher_is_better else not low <= 0 <= high
+        claimed = zero_out and (d > 0) == higher_is_better
+        assert row["verdict"] == ("holds" if claimed else "reversed" if zero_out else "not resolved"), row
         assert low <= float(row["difference"]) <= high and int(row["n"].split()[0]) > 0
 
 
@@ -172,23 +172,28 @@ def test_verdict_rule_by_hand(tmp_path):
     (tmp_path / "passkey" / "pairs.csv").write_text(
         "policy_a,policy_b,budget,block,prompts,acc_a,acc_b,difference,diff_low,diff_high,only_a,only_b,mcnemar_p\n"
         "keydiff,tova,256,128,50,0.6,0.2,0.4,0.3,0.5,20,0,0.0\n"     # holds; excludes 0 and +0.28
-        "snapkv,keydiff,256,128,50,0.5,0.4,0.1,-0.1,0.3,6,1,0.1\n")  # reversed pair: keydiff - snapkv = -0.1
+        "snapkv,keydiff,256,128,50,0.5,0.4,0.1,-0.1,0.3,6,1,0.1\n"   # reversed pair: keydiff - snapkv = -0.1
+        "keydiff,h2o,256,128,10,0.6,0.1,0.5,0.2,0.8,5,0,0.0625\n")   # bootstrap excludes 0, exact test does not
     (tmp_path / "perplexity" / "ppl_pairs.csv").write_text(
         "policy_a,budget_a,policy_b,budget_b,block,comparison,texts,tokens,difference,low,high,interval\n"
         "hashevict,128,knorm,96,32,equal peak memory,2,2046,0.5,0.2,0.8,x\n")  # reversed: HashEvict worse
-    (tmp_path / "perplexity" / "ppl.csv").write_text("policy,budget,block,delta_ppl,best_of_grid\nknorm,96,32,2.0,\n")
+    (tmp_path / "perplexity" / "ppl.csv").write_text("policy,budget,block,gap,best_of_grid\nknorm,96,32,2.0,\n")
     (tmp_path / "attention_loss" / "step_loss_pairs.csv").write_text(
         "policy_a,policy_b,budget,block,prompts,difference,low,high\n")
     (tmp_path / "attention_loss" / "step_loss.csv").write_text("policy,budget,mean_loss\n")
+    (tmp_path / "attention_loss" / "output_error_pairs.csv").write_text(
+        "policy_a,policy_b,budget,block,prompts,difference,low,high\n")
     got = {(r["a"], r["b"], r["setting"]): r for r in module.rows(tmp_path)}
     assert got[("keydiff", "tova", "N = 256, B = 128")]["verdict"] == "holds"
     assert got[("keydiff", "tova", "N = 256, B = 128")]["excludes"] == "paper and zero"
     kd_snap = got[("keydiff", "snapkv", "N = 256, B = 128")]
     assert (kd_snap["difference"], kd_snap["low"], kd_snap["high"]) == ("-0.1", "-0.3", "+0.1")
     assert kd_snap["verdict"] == "not resolved" and kd_snap["excludes"] == "paper"
+    kd_h2o = got[("keydiff", "h2o", "N = 256, B = 128")]
+    assert kd_h2o["verdict"] == "not resolved" and kd_h2o["excludes"] == "neither" and kd_h2o["p"] == "0.0625"
     he = got[("hashevict", "knorm", "N = 128 vs 96 (equal peak memory), B = 32")]
     assert he["verdict"] == "reversed" and he["paper_effect"] == "-1.58"  # -0.79 x L2's gap of 2.0
-    assert len(got) == 3  # claims whose cells were not run are left out
+    assert len(got) == 4  # claims whose cells were not run are left out
 
 
 def test_intersphinx_inventories_list_every_numpy_and_scipy_reference():

@@ -200,11 +200,11 @@ def test_cli_runs_resumes_and_reports(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "perplexity: 3 cells" in text and "wall time" in text
     table = (out / "perplexity" / "ppl.csv").read_text().splitlines()
-    assert table[0].startswith("policy,label,configuration,budget,block,peak_cache_tokens,ppl,delta_ppl,gap_low")
+    assert table[0].startswith("policy,label,configuration,budget,block,peak_cache_tokens,ppl,delta_ppl,gap,gap_low")
     rows = {(r["policy"], r["budget"]): r for r in csv.DictReader(table)}
     sink = rows[("sink", "40")]
     assert sink["label"] == "sink (StreamingLLM)" and sink["configuration"].startswith("sink=4")
-    assert float(sink["gap_low"]) <= float(sink["delta_ppl"]) <= float(sink["gap_high"])
+    assert float(sink["gap_low"]) <= float(sink["gap"]) <= float(sink["gap_high"])
     assert sink["tokens"] == "191" and sink["peak_cache_tokens"] == "56"   # N + B with B = 16
     # No eviction (budget none): the gap is exactly 0 with a zero-width interval.
     assert float(rows[("sink", "")]["gap_low"]) == float(rows[("sink", "")]["gap_high"]) == 0.0
@@ -245,7 +245,8 @@ def test_results_page_commands_and_files_exist():
     assert len(commands) >= 6
     for command in commands:
         build_parser().parse_args(shlex.split(command)[1:])  # SystemExit on an unknown option
-    files = re.findall(r"(?::file:|\.\. image::|\.\. rounded-csv::) \.\./(_static/experiments/\S+)", page)
+    files = re.findall(r"(?::file:|\.\. image::|\.\. figure::|\.\. rounded-csv::) \.\./(_static/\S+)", page)
+    files += re.findall(r":download:`[^<`]*<\.\./(_static/[^>]+)>`", page)
     assert len(files) >= 15
     for name in files:
         assert (docs / name).is_file(), name

@@ -31,9 +31,11 @@ Notes
   :data:`~refkv.experiments.common.COMPARABLE_BASELINES` and MAT's beta x L_s grid; the
   ``configuration`` column spells out every parameter and ``best_of_grid`` marks MAT's
   best cell per budget and block (MAT Sec. 5.1 reports its best beta).
-* **Intervals.** ``gap_low`` / ``gap_high``: the 95% paired block bootstrap of the pooled
-  gap over all texts (blocks of 64 tokens resampled within each text), ``tokens`` its
-  sample size; ``gap_interval`` is rounded to the digits the interval supports.
+* **Intervals.** ``gap``: the pooled gap (the perplexity of all texts' tokens together
+  minus the dense one; ``delta_ppl`` is the mean of the per-text gaps); ``gap_low`` /
+  ``gap_high``: its 95% paired block bootstrap (blocks of 64 tokens resampled within each
+  text), ``tokens`` its sample size; ``gap_interval`` is rounded to the digits the
+  interval supports.
 * **Positions.** Keys keep their original RoPE positions (the seed papers' setting);
   MAT's StreamingLLM-style position rolling is not used. All prompts are inside
   SmolLM2's 8K training window, where rolling is not needed.
@@ -222,7 +224,7 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
     rows.sort(key=lambda r: (_none_last(r["budget"]), _none_last(r["block"]), r["policy"] != "full",
                              r["delta_ppl"] if r["delta_ppl"] is not None else 0.0))
     columns = ["policy", "label", "configuration", "budget", "block", "peak_cache_tokens", "ppl", "delta_ppl",
-               "gap_low", "gap_high", "gap_interval", "tokens", "delta_ppl_std", "ppl_evicted",
+               "gap", "gap_low", "gap_high", "gap_interval", "tokens", "delta_ppl_std", "ppl_evicted",
                "delta_ppl_evicted", "segments", "best_of_grid", "wall_time_s"]
     written = [write_csv(folder / "ppl.csv", rows, columns)]
     written.append(write_csv(folder / "ppl_pairs.csv", paired_gaps(records)))
@@ -269,7 +271,7 @@ def _gap_interval(pairs: list[tuple[list, list]]) -> dict:
         return {}
     interval = perplexity_gap([a for a, _ in pairs], [b for _, b in pairs], block=64)
     digits = supported_digits(interval.high - interval.low)
-    return {"gap_low": interval.low, "gap_high": interval.high, "tokens": interval.n,
+    return {"gap": interval.estimate, "gap_low": interval.low, "gap_high": interval.high, "tokens": interval.n,
             "gap_interval": interval.format(digits)}
 
 
