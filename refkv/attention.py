@@ -8,11 +8,7 @@ Two routes give the same output:
   softmax recurrence of FlashAttention, so no more than a ``(B, key_chunk)`` tile of
   weights ever exists. This is how attention-free policies (KeyDiff, L2, sink,
   HashEvict) are shown to run without ``A``: the engine counts every call that
-  materialises it. A single query (``B = 1``, decoding) takes a shorter road with the
-  same result: its weights are one row of ``n`` numbers per head, so each query head
-  reads its KV head's keys and values once, in two matrix-vector products, with no
-  tiles (decoding is bound by memory traffic, and the tiled route's extra passes and
-  per-tile calls cost more than the row itself).
+  materialises it.
 
 Shapes: ``H`` query heads, ``Hkv`` KV heads, ``g = H / Hkv`` queries per KV head,
 ``B`` queries in the block, ``n`` keys (cache + block), ``d`` head width. The causal
@@ -150,8 +146,6 @@ def _attend(q, k, v, q_pos, k_pos, return_weights: bool, key_chunk: int):
         p /= total
         return out.reshape(heads, b, d), p  # (H, B, d), (Hkv, g, B, n)
 
-    if b == 1:
-        return _attend_one_query(q, k, v, q_pos, k_pos), None
     # Online softmax (FlashAttention): keep a running max m, normaliser l and
     # unnormalised output acc; rescale them by exp(m_old - m_new) as each tile arrives.
     # With a single tile this performs exactly the operations of the branch above.
@@ -172,26 +166,6 @@ def _attend(q, k, v, q_pos, k_pos, return_weights: bool, key_chunk: int):
         acc = acc * correction + _weighted_values(p, v[:, start:stop])  # (Hkv, g, B, d)
         m = m_new
     return (acc / l).reshape(heads, b, d), None  # (H, B, d)
-
-
-def _attend_one_query(q, k, v, q_pos, k_pos) -> np.ndarray:
-    """One query per head (decoding): ``softmax(K q / sqrt(d)) V`` per query head, with
-    matrix-vector products over the head's whole KV head. (H, 1, d) -> (H, 1, d)."""
-    n_kv, _, d = k.shape
-    heads = q.shape[0]
-    g = heads // n_kv
-    future = k_pos > q_pos[0]  # (Hkv, n): keys after the query (none when decoding)
-    masked = bool(future.any())
-    out = np.empty((heads, 1, d), dtype=np.result_type(q, k, v))
-    for h in range(heads):
-        s = k[h // g] @ q[h, 0]  # (n, d) @ (d,) -> (n,): the logits of head h
-        s *= 1.0 / float(np.sqrt(d))
-        if masked:
-            s[future[h // g]] = -np.inf
-        s -= s.max()
-        np.exp(s, out=s)
-        out[h, 0] = (s @ v[h // g]) / s.sum()  # (n,) @ (n, d) -> (d,)
-    return out
 
 
 def _weighted_values(p: np.ndarray, v: np.ndarray) -> np.ndarray:

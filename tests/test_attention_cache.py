@@ -56,9 +56,8 @@ def test_single_tile_is_bitwise_the_weights_route(rng):
 
 @given(seed=st.integers(0, 2**16), n=st.integers(1, 40), scale=st.sampled_from([1.0, 300.0]),
        future=st.integers(0, 3))
-def test_single_query_route_matches_the_definition(seed, n, scale, future):
-    # B = 1 (decoding) takes its own route: per head two matrix-vector products over the
-    # whole KV head. Per-head shuffled positions, keys in the query's future, and logits
+def test_a_single_query_matches_the_definition(seed, n, scale, future):
+    # B = 1 (decoding): per-head shuffled positions, keys in the query's future, and logits
     # of ~1e5 (a naive exp overflows) must all give the definition's output.
     rng = np.random.default_rng(seed)
     q, k, v, _, _ = random_qkv(rng, b=1, n=n + future, scale=scale)
