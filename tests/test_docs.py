@@ -246,7 +246,8 @@ def test_sphinx_build_has_no_warnings(tmp_path):
     concepts = (html / "guide" / "concepts.html").read_text(encoding="utf-8")
     assert 'src="../_static/mathjax/tex-chtml.js"' in concepts
     experiments = (html / "guide" / "experiments.html").read_text(encoding="utf-8")
-    assert "18.3846" not in experiments and "18.4" in experiments  # tables rounded, CSV downloadable
+    # The verdict table is rounded (CAOTE over H2O at N = 128: -0.04947 in verdicts.csv), the CSV downloadable.
+    assert "0.04947" not in experiments and "-0.049" in experiments
     assert "_downloads" in experiments and "ppl.csv" in experiments
 
 
