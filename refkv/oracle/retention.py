@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .arrays import fmt, fmt_pair
-from .status import Status
+from .status import Outcome, Status
 
 __all__ = ["RetentionResult", "Swap", "compare_kept", "compare_ranking", "compare_retention"]
 
@@ -66,7 +66,7 @@ class Swap:
 
 
 @dataclass
-class RetentionResult:
+class RetentionResult(Outcome):
     """Outcome of a retention comparison: accepted ties, and the first failure if any."""
 
     ties: list = field(default_factory=list)
@@ -74,13 +74,6 @@ class RetentionResult:
     swap: Swap | None = None
     head: int | None = None
 
-    @property
-    def ok(self) -> bool:
-        return self.failure is None
-
-    @property
-    def status(self) -> Status:
-        return Status.of(self.failure, self.ties)
 
 
 def _threshold(sd: float, se: float, cd: int, ce: int, tolerance, rtol: float, atol: float) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["Status"]
+__all__ = ["Outcome", "Status"]
 
 
 class Status(str, Enum):
@@ -41,3 +41,19 @@ class Status(str, Enum):
     def tag(self) -> str:
         """The four-character tag a report line starts with."""
         return {"equal": "ok  ", "ok": "ok  ", "tie": "TIE ", "fail": "FAIL", "missing": "MISS"}[self.value]
+
+
+class Outcome:
+    """What a comparison's result class shares: ``ok`` and ``status`` from its ``failure``
+    (a message or None) and its accepted ``ties`` (a list), by :meth:`Status.of`."""
+
+    failure: str | None
+    ties: list
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    @property
+    def status(self) -> Status:
+        return Status.of(self.failure, self.ties)

@@ -35,14 +35,14 @@ from ..validation import check_float
 from .arrays import Mismatch, as_array, compare_arrays, fmt
 from .declare import Declarations
 from .retention import compare_kept
-from .status import Status
+from .status import Outcome, Status
 from .tolerance import check_dtype_name, e2e_rtol, tie_rule_meaningless
 
 __all__ = ["EndToEndResult", "compare_end_to_end", "decision_tolerance"]
 
 
 @dataclass
-class EndToEndResult:
+class EndToEndResult(Outcome):
     """Outcome of an end-to-end comparison; ``form`` is ``"per block"`` or ``"final only"``."""
 
     failure: str | None = None
@@ -53,13 +53,6 @@ class EndToEndResult:
     form: str = "per block"
     notes: list = field(default_factory=list)
 
-    @property
-    def ok(self) -> bool:
-        return self.failure is None
-
-    @property
-    def status(self) -> Status:
-        return Status.of(self.failure, self.ties)
 
 
 def decision_tolerance(scores: np.ndarray, rtol: float) -> np.ndarray:
