@@ -30,6 +30,7 @@ import itertools
 import sys
 from pathlib import Path
 
+from refkv.experiments.common import write_csv as experiments_csv
 from refkv.files import atomic_write
 
 HERE = Path(__file__).resolve().parent
@@ -83,11 +84,7 @@ def _g(value: str) -> str:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    out = io.StringIO()
-    writer = csv.DictWriter(out, COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write(path, out.getvalue())
+    experiments_csv(path, rows, COLUMNS)  # atomic, like every table the experiments write
 
 
 def draw(rows: list[dict], out: Path = OUT) -> None:

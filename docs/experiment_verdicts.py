@@ -38,12 +38,11 @@ committed file disagrees, so the page cannot fall behind the experiments.
 from __future__ import annotations
 
 import csv
-import io
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from refkv.files import atomic_write
+from refkv.experiments.common import write_csv as experiments_csv
 
 HERE = Path(__file__).resolve().parent
 EXPERIMENTS = HERE / "_static" / "experiments"
@@ -165,27 +164,24 @@ class Tables:
         return None
 
     def pair(self, claim: Claim, a: str) -> tuple[dict, float] | None:
-        """The published paired row of ``a`` vs ``claim.b`` and the sign that turns it into A - B."""
-        w = claim.where
-        if claim.measure == "passkey":
-            rows, match = self.passkey_pairs, lambda r, x, y: (r["policy_a"], r["policy_b"]) == (x, y) and \
-                _norm(r["budget"]) == w["budget"] and _norm(r["block"]) == w["block"]
-        elif claim.measure == "perplexity":
-            rows = self.ppl_pairs
+        """The published paired row of ``a`` vs ``claim.b`` and the sign that turns it into A - B.
 
-            def match(r, x, y):
-                budgets = (w["budget"], w.get("budget_b", w["budget"]))
-                if x != a:  # the reversed pair: budgets swap too
-                    budgets = budgets[::-1]
-                return ((r["policy_a"], r["policy_b"]) == (x, y) and (_norm(r["budget_a"]), _norm(r["budget_b"]))
-                        == budgets and _norm(r["block"]) == w["block"])
-        else:
-            rows = self.step_pairs if claim.measure == "step_loss" else self.error_pairs
-            match = lambda r, x, y: (r["policy_a"], r["policy_b"]) == (x, y) and \
-                _norm(r["budget"]) == w["budget"] and _norm(r["block"]) == w["block"]  # noqa: E731
+        A pair table lists each pair once, in either order; perplexity pairs carry a budget
+        per side (equal-memory pairs differ), the others one budget for both.
+        """
+        w = claim.where
+        rows = {"passkey": self.passkey_pairs, "perplexity": self.ppl_pairs, "step_loss": self.step_pairs,
+                "output_error": self.error_pairs}[claim.measure]
+        budgets = {a: w["budget"], claim.b: w.get("budget_b", w["budget"])}
         for sign, (x, y) in ((1.0, (a, claim.b)), (-1.0, (claim.b, a))):
             for r in rows:
-                if match(r, x, y):
+                if (r["policy_a"], r["policy_b"]) != (x, y) or _norm(r["block"]) != w["block"]:
+                    continue
+                if claim.measure == "perplexity":
+                    same = (_norm(r["budget_a"]), _norm(r["budget_b"])) == (budgets[x], budgets[y])
+                else:
+                    same = _norm(r["budget"]) == w["budget"]
+                if same:
                     return r, sign
         return None
 
@@ -253,11 +249,7 @@ def rows(experiments: Path = EXPERIMENTS) -> list[dict]:
 
 
 def write_csv(table: list[dict], path: Path = OUT) -> None:
-    out = io.StringIO()
-    writer = csv.DictWriter(out, COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(table)
-    atomic_write(path, out.getvalue())
+    experiments_csv(path, table, COLUMNS)  # atomic, like every table the experiments write
 
 
 def main(argv: list[str] | None = None) -> int:
