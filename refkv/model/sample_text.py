@@ -72,7 +72,7 @@ PROSE_SOURCES = ("pydoc_prose", "kjv_narrative")
 
 def prose(source: str, min_chars: int) -> str:
     """At least ``min_chars`` characters of the prose source ``source`` (one of
-    :data:`PROSE_SOURCES`), or all of it when it holds fewer.
+    :data:`PROSE_SOURCES`), or (nearly) all of it when it holds fewer.
 
     Raises
     ------
