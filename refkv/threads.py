@@ -10,10 +10,21 @@ up the prompt's block matrix products.
 So :func:`choose_threads` measures. It times the matrix products of one decoder layer
 at this model's sizes -- a block of :data:`BLOCK_ROWS` tokens and :data:`DECODE_ROWS`
 single-token steps, the two shapes a run spends its time in -- with one thread and with
-each candidate count up to the usable cores, interleaved, keeping the fastest of
-:data:`REPEATS` runs each. It picks more than one thread only if that was at least
+each candidate count up to the usable cores, interleaved, :data:`REPEATS` runs each, and
+compares their **mean** times. It picks more than one thread only if that was at least
 :data:`MARGIN` faster than one thread, so the choice is never slower than one thread by
-more than the measurement's noise. The measurement takes a fraction of a second.
+more than the measurement's noise. The measurement takes a fraction of a second on an
+idle machine, about a second on a busy one.
+
+Why the mean and not the fastest run: with another process busy on one of two cores,
+two BLAS threads usually run as fast as on an idle machine, but now and then one of
+them loses its core for a scheduler time slice and the other waits for it. The fastest
+of a few runs misses those stalls (it picked two threads, 1.9 times slower than one over
+a real prompt, in ``bench/contention.py``); the mean counts them at the rate a long
+prompt meets them (measured: 1 thread 7-14 ms, 2 threads 22-28 ms per run). Even the
+mean of a second's runs can miss them, so first, where the system reports it (Linux's
+``/proc/stat``), :func:`idle_cores` counts the cores other processes leave idle over
+:data:`IDLE_WINDOW` seconds, and no more threads than those are candidates.
 
 ``requested`` (the CLI's ``--threads N``) skips the measurement. Nothing here changes the
 process's thread count by itself: :func:`blas_threads` applies a choice for a ``with``
@@ -31,17 +42,21 @@ import numpy as np
 
 from .validation import check_int
 
-__all__ = ["BLOCK_ROWS", "DECODE_ROWS", "MARGIN", "REPEATS", "ThreadChoice", "blas_threads",
-           "choose_threads", "usable_cores"]
+__all__ = ["BLOCK_ROWS", "DECODE_ROWS", "IDLE_FRACTION", "IDLE_WINDOW", "MARGIN", "REPEATS", "ThreadChoice",
+           "blas_threads", "choose_threads", "idle_cores", "usable_cores"]
 
 #: Rows of the block product timed (a typical prompt block ``B``).
 BLOCK_ROWS = 32
 #: Single-row (decoding) products timed per block product.
 DECODE_ROWS = 4
-#: Timed runs per candidate; the fastest counts (noise only ever adds time).
-REPEATS = 5
+#: Timed runs per candidate, interleaved; their mean counts (see the module notes).
+REPEATS = 20
 #: More threads are chosen only when they are at least this much faster than one.
-MARGIN = 0.15
+MARGIN = 0.1
+#: Seconds over which :func:`idle_cores` watches the machine.
+IDLE_WINDOW = 0.1
+#: A core counts as idle when others leave at least this fraction of it unused.
+IDLE_FRACTION = 0.75
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,35 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # macOS, Windows
         return max(1, os.cpu_count() or 1)
+
+
+def _cpu_times() -> tuple[float, float] | None:
+    """(idle, total) jiffies of all CPUs from ``/proc/stat``, or None where there is none."""
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            fields = [float(x) for x in stat.readline().split()[1:9]]  # user .. steal
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 5:
+        return None
+    return fields[3] + fields[4], sum(fields)  # idle + iowait, all
+
+
+def idle_cores(window: float = IDLE_WINDOW) -> float | None:
+    """Cores left idle by every other process over ``window`` seconds (this one sleeps).
+
+    From the change in ``/proc/stat``'s idle time, scaled to the usable cores; ``None``
+    where the system has no ``/proc/stat`` (macOS, Windows).
+    """
+    before = _cpu_times()
+    if before is None:
+        return None
+    time.sleep(window)
+    after = _cpu_times()
+    if after is None or after[1] <= before[1]:
+        return None
+    idle_share = (after[0] - before[0]) / (after[1] - before[1])
+    return idle_share * min(usable_cores(), os.cpu_count() or 1)
 
 
 def _blas_controllable() -> bool:
@@ -169,14 +213,21 @@ def choose_threads(config, *, requested: int | None = None) -> ThreadChoice:
     weights = _layer_weights(config, rng)
     block = rng.standard_normal((BLOCK_ROWS, config.d_model)).astype(np.float32)
     row = block[:1].copy()
+    idle = idle_cores()
+    if idle is not None:  # threads beyond the idle cores would share a core with other work
+        free = max(1, int(idle + (1.0 - IDLE_FRACTION)))
+        if free == 1:
+            return ThreadChoice(1, f"{idle:.1f} idle cores of {cores}")
+        cores = min(cores, free)
     candidates = _candidates(cores)
-    best = {n: float("inf") for n in candidates}
+    total = {n: 0.0 for n in candidates}
     for n in candidates:  # warm-up: the first call at a new count starts its threads
         _time_workload(n, block, row, weights)
     for _ in range(REPEATS):  # interleaved, so a burst of load hits every candidate alike
         for n in candidates:
-            best[n] = min(best[n], _time_workload(n, block, row, weights))
-    fastest = min(candidates, key=lambda n: (best[n], n))
-    chosen = fastest if best[fastest] <= (1.0 - MARGIN) * best[1] else 1
-    times = ", ".join(f"{n}: {best[n] * 1e3:.1f} ms" for n in candidates)
-    return ThreadChoice(chosen, f"measured ({times})")
+            total[n] += _time_workload(n, block, row, weights)
+    mean = {n: t / REPEATS for n, t in total.items()}
+    fastest = min(candidates, key=lambda n: (mean[n], n))
+    chosen = fastest if mean[fastest] <= (1.0 - MARGIN) * mean[1] else 1
+    times = ", ".join(f"{n}: {mean[n] * 1e3:.1f} ms" for n in candidates)
+    return ThreadChoice(chosen, f"measured, mean of {REPEATS} ({times})")
