@@ -15,6 +15,12 @@ every comparison here is **paired**:
 * **Output error over prompts** (:func:`paired_mean_difference`): Student's t interval of
   the mean paired difference.
 
+The registered design (``docs/guide/registration.rst``) takes prompts and texts as its
+units and adds what its rule needs: Newcombe's paired interval for passkey accuracy
+(:func:`newcombe_paired_difference`), the paired t-test's p-value (:func:`paired_t_test`),
+per-text perplexities (:func:`text_perplexities`) and Holm's step-down correction within a
+claim (:func:`holm`).
+
 :func:`excluded_effects` turns an interval into the sentence a verdict needs: which effect
 sizes (the paper's, scaled to this model) the data rule out.
 
@@ -34,10 +40,14 @@ from ..validation import check_float, check_int
 __all__ = [
     "Interval",
     "excluded_effects",
+    "holm",
     "mcnemar_exact",
+    "newcombe_paired_difference",
     "paired_mean_difference",
     "paired_proportion_difference",
+    "paired_t_test",
     "perplexity_gap",
+    "text_perplexities",
     "wilson_interval",
 ]
 
@@ -189,6 +199,99 @@ def paired_mean_difference(a, b, *, confidence: float = 0.95) -> Interval:
     t = _stats.t.ppf(0.5 + confidence / 2, df=n - 1)
     return Interval(float(mean), float(mean - t * se), float(mean + t * se), confidence, n, "prompts",
                     "paired t")
+
+
+def paired_t_test(a, b, *, confidence: float = 0.95) -> tuple[Interval, float]:
+    """Student's paired t interval of ``mean(a - b)`` and its two-sided p-value.
+
+    The unit is whatever ``a`` and ``b`` are indexed by (texts, prompts); the registered
+    design uses it for per-text perplexities and per-prompt measures. With every
+    difference equal (zero spread) the p-value is 1 when they are 0 and 0 otherwise.
+    """
+    interval = paired_mean_difference(a, b, confidence=confidence)
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    se = d.std(ddof=1) / math.sqrt(d.size)
+    if se == 0:
+        return interval, 1.0 if d.mean() == 0 else 0.0
+    p = 2 * _stats.t.sf(abs(d.mean()) / se, df=d.size - 1)
+    return interval, float(p)
+
+
+def newcombe_paired_difference(a_correct, b_correct, *, confidence: float = 0.95) -> Interval:
+    """Accuracy of A minus accuracy of B on the same prompts, Newcombe's method 10 interval.
+
+    Newcombe (1998), "Improved confidence intervals for the difference between binomial
+    proportions based on paired data", Statist. Med. 17:2635-2650, method 10 ("square and
+    add" of the two marginal Wilson score intervals, corrected for the pairing). With ``A``
+    prompts both right, ``B`` only A right, ``C`` only B right, ``D`` both wrong, ``N`` in
+    all, A's accuracy ``p1 = (A + B) / N`` has Wilson limits ``(l1, u1)`` and B's
+    ``p2 = (A + C) / N`` has ``(l2, u2)``; then
+
+    .. math::
+        L = p_1 - p_2 - \\sqrt{(p_1 - l_1)^2 + (u_2 - p_2)^2 - 2\\psi (p_1 - l_1)(u_2 - p_2)},
+
+        U = p_1 - p_2 + \\sqrt{(p_2 - l_2)^2 + (u_1 - p_1)^2 - 2\\psi (p_2 - l_2)(u_1 - p_1)},
+
+    where ``psi`` is the phi coefficient of the paired table with Newcombe's continuity
+    correction: with ``E = AD - BC`` and ``M`` the product of the four margins,
+    ``psi = (E - N/2) / sqrt(M)`` when ``E > N/2``, ``0`` when ``0 <= E <= N/2``,
+    ``E / sqrt(M)`` when ``E < 0``, and ``0`` when a margin is empty. The ends are clipped
+    to [-1, 1]. Checked against the published example of Fagerland, Lydersen and Laake
+    (2017), ch. 8 (Cavo et al. 2012: -0.0621, 95% CI -0.1186 to -0.0046).
+    """
+    a = np.asarray(a_correct, dtype=bool)
+    b = np.asarray(b_correct, dtype=bool)
+    if a.ndim != 1 or a.shape != b.shape or a.size == 0:
+        raise ValueError(f"a_correct and b_correct must be non-empty 1-D arrays of the same length, "
+                         f"got shapes {a.shape} and {b.shape}")
+    confidence = _check_confidence(confidence)
+    n = a.size
+    both, only_a, only_b, neither = (int(np.sum(a & b)), int(np.sum(a & ~b)), int(np.sum(~a & b)),
+                                     int(np.sum(~a & ~b)))
+    p1, p2 = (both + only_a) / n, (both + only_b) / n
+    w1 = wilson_interval(both + only_a, n, confidence=confidence)
+    w2 = wilson_interval(both + only_b, n, confidence=confidence)
+    margins = (both + only_a) * (only_b + neither) * (both + only_b) * (only_a + neither)
+    e = both * neither - only_a * only_b
+    if margins == 0 or 0 <= e <= n / 2:
+        psi = 0.0
+    else:
+        psi = (e - n / 2 if e > 0 else e) / math.sqrt(margins)
+    below1, above1, below2, above2 = p1 - w1.low, w1.high - p1, p2 - w2.low, w2.high - p2
+    d = p1 - p2
+    low = d - math.sqrt(max(0.0, below1 ** 2 + above2 ** 2 - 2 * psi * below1 * above2))
+    high = d + math.sqrt(max(0.0, below2 ** 2 + above1 ** 2 - 2 * psi * below2 * above1))
+    return Interval(d, max(-1.0, low), min(1.0, high), confidence, n, "prompts",
+                    "Newcombe paired square-and-add (method 10)")
+
+
+def holm(p_values) -> np.ndarray:
+    """Holm's step-down adjusted p-values (Holm 1979), in the order given.
+
+    Sorted ascending, the ``i``-th smallest of ``m`` p-values becomes
+    ``max_{j <= i} min(1, (m - j + 1) p_(j))``; rejecting where the adjusted value is below
+    alpha controls the family-wise error rate at alpha.
+    """
+    p = np.asarray(p_values, dtype=float)
+    if p.ndim != 1 or p.size == 0 or not np.all((p >= 0) & (p <= 1)):
+        raise ValueError(f"p_values must be a non-empty 1-D array of probabilities in [0, 1], got {p_values!r}")
+    m = p.size
+    order = np.argsort(p, kind="stable")
+    scaled = np.minimum(1.0, (m - np.arange(m)) * p[order])      # (m,) in ascending order
+    adjusted = np.empty(m)
+    adjusted[order] = np.maximum.accumulate(scaled)
+    return adjusted
+
+
+def text_perplexities(nll_per_text) -> np.ndarray:
+    """Each text's perplexity, ``exp`` of its mean token negative log-likelihood (n_texts,)."""
+    out = []
+    for i, nll in enumerate(nll_per_text):
+        nll = np.asarray(nll, dtype=float)
+        if nll.ndim != 1 or nll.size == 0 or not np.isfinite(nll).all():
+            raise ValueError(f"text {i}: token losses must be a non-empty 1-D array of finite values")
+        out.append(math.exp(nll.mean()))
+    return np.asarray(out)
 
 
 def _block_starts(n_tokens: int, block: int) -> np.ndarray:
