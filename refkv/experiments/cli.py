@@ -57,6 +57,9 @@ def add_experiment_command(sub) -> None:
     p.add_argument("--blocks", nargs="+", metavar="B", help="block sizes B (integers, or 'none' = one shot)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the grid (default 0)")
     p.add_argument("--dry-run", action="store_true", help="list the cells still to run and exit")
+    p.add_argument("--registered", action="store_true",
+                   help="the registered design (docs: registration); passkey: the calibration, or with "
+                        "--passkey-lengths L the test grid at the calibrated length L")
     p.add_argument("--no-summary", action="store_true", help="skip the tables and plots")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="BLAS threads (default: measured with --jobs 1, one per worker otherwise)")
@@ -88,7 +91,7 @@ def _cmd_experiment(args) -> int:
         seed=args.seed, full=args.full, texts=args.texts, text_length=args.text_length,
         passkey_prompts=args.passkey_prompts,
         passkey_lengths=tuple(args.passkey_lengths) if args.passkey_lengths else None,
-        output_prompts=args.output_prompts)
+        output_prompts=args.output_prompts, registered=args.registered)
     names = experiment_names() if args.name == "all" else [args.name]
     experiments = [get_experiment(n) for n in names]
     if args.dry_run:

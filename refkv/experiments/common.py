@@ -68,7 +68,7 @@ __all__ = [
 FAST_CAOTE = tuple(f"{spec},fast=True" for spec in policies.policy_class("caote").experiment_specs)
 
 _MODELS: dict[tuple[str, str], tuple] = {}
-_TOKENS: dict[tuple[str, str, str], np.ndarray] = {}
+_TOKENS: dict[tuple, np.ndarray] = {}
 
 
 # -- models --------------------------------------------------------------------------------
@@ -179,6 +179,25 @@ def prose_tokens(model_name: str, dtype: str, length: int, segment: int = 0,
         raise ValueError(f"the prose {source!r} holds {len(tokens)} tokens; segment {segment} of length "
                          f"{length} needs {needed}")
     return tokens[segment * length:needed]
+
+
+def prose_tail(model_name: str, dtype: str, source: str, start: int) -> np.ndarray:
+    """All tokens of the prose ``source`` from token ``start`` on (the passkey haystacks of
+    the registered design draw from beyond the perplexity segments)."""
+    from ..model.sample_text import prose
+
+    _, tokenizer = load_model(model_name, dtype)
+    key = (model_name, dtype, source, "all")
+    if key not in _TOKENS:
+        _TOKENS[key] = np.asarray(tokenizer.encode(prose(source, _ALL_PROSE_CHARS)), dtype=np.int64)
+    tokens = _TOKENS[key]
+    if len(tokens) <= start:
+        raise ValueError(f"the prose {source!r} holds {len(tokens)} tokens, none from token {start} on")
+    return tokens[start:]
+
+
+#: Characters asked of a prose source for its whole text (both shipped sources hold less).
+_ALL_PROSE_CHARS = 120_000
 
 
 def text_source(number: int) -> tuple[str, int]:

@@ -49,7 +49,9 @@ from pathlib import Path
 import numpy as np
 
 from ..engine import Engine
+from ..policies.keydiff import anchor_scores
 from ..validation import check_float, check_int
+from . import haystack
 from .common import (
     COMPARABLE_BASELINES,
     canonical_spec,
@@ -58,6 +60,7 @@ from .common import (
     load_model,
     mean_std,
     prefill_or_skip,
+    prose_tail,
     write_csv,
 )
 from .runner import Experiment, Settings, register_experiment, sample_size
@@ -172,10 +175,47 @@ PASSKEY_BASELINES = tuple(spec for spec in COMPARABLE_BASELINES if not spec.star
 ONE_SHOT_POLICIES = ("keydiff", "snapkv", "tova", "h2o", "h2o:recent=0", "caote:base=h2o", "sink")
 
 
+#: The registered design's passkey policies (claims P1 and P2): each runs in blocks and one-shot.
+REGISTERED_POLICIES = ("keydiff", "snapkv", "tova", "h2o")
+
+
 # -- the grid ------------------------------------------------------------------------------
+def registered_cells(settings: Settings) -> list[dict]:
+    """The registered passkey grid (``docs/guide/registration.rst``).
+
+    Without ``passkey_lengths``: the calibration, the full cache on 60 calibration prompts
+    at each of :data:`refkv.experiments.haystack.CALIBRATION_LENGTHS`. With one length ``L``
+    (the calibrated one): 60 test prompts, the full cache and each of
+    :data:`REGISTERED_POLICIES` at ``N = L / 8`` in blocks of ``min(128, N)`` and one-shot.
+    """
+    model = settings.resolved_model()
+    prompts = settings.passkey_prompts or 60
+    common = {"model": model, "dtype": settings.dtype, "seed": settings.seed, "design": "registered",
+              "max_new_tokens": 8}
+    if settings.passkey_lengths is None:
+        return [{**common, "purpose": "calibration", "length": length, "sample": sample, "policy": "full",
+                 "budget": None, "block": 128}
+                for length in haystack.CALIBRATION_LENGTHS for sample in range(prompts)]
+    if len(settings.passkey_lengths) != 1:
+        raise ValueError(f"passkey_lengths must hold the one calibrated length for the registered test grid, "
+                         f"got {list(settings.passkey_lengths)}")
+    length = settings.passkey_lengths[0]
+    budget = length // 8
+    block = min(128, budget)
+    out = []
+    for sample in range(prompts):
+        prompt = {**common, "purpose": "test", "length": length, "sample": sample}
+        out.append({**prompt, "policy": "full", "budget": None, "block": block})
+        for policy in REGISTERED_POLICIES:
+            out.extend({**prompt, "policy": policy, "budget": budget, "block": b} for b in (block, None))
+    return out
+
+
 def cells(settings: Settings) -> list[dict]:
     """The grid: prompts x (ceiling + policies x budgets x block sizes); the default grid runs
-    one-shot prefill for :data:`ONE_SHOT_POLICIES` only."""
+    one-shot prefill for :data:`ONE_SHOT_POLICIES` only; ``registered``: :func:`registered_cells`."""
+    if settings.registered:
+        return registered_cells(settings)
     model = settings.resolved_model()
     real = model != "tiny"
     if settings.quick:
@@ -226,6 +266,8 @@ def cost(params: dict) -> float:
 
 def run_cell(params: dict) -> dict:
     """Build the prompt, prefill it under the policy, answer greedily, check the number."""
+    if params.get("design") == "registered":
+        return _run_registered(params)
     model, tokenizer = load_model(params["model"], params["dtype"])
     key = _key(params["seed"], params["length"], params["depth"], params["sample"])
     tokens, needle_at = build_prompt(tokenizer, params["length"], params["depth"], key,
@@ -242,6 +284,45 @@ def run_cell(params: dict) -> dict:
     predicted = match.group(0) if match else ""
     return {**base, "answer": text, "predicted": predicted, "correct": predicted == str(key),
             "needle_retention": kept}
+
+
+def _run_registered(params: dict) -> dict:
+    """A registered prompt (natural text, random depth): answer, retention, and how distinctive the needle was."""
+    model, tokenizer = load_model(params["model"], params["dtype"])
+    d = haystack.draw(params["seed"], params["length"], params["sample"], params["purpose"])
+    source = prose_tail(params["model"], params["dtype"], d["source"], haystack.RESERVED_SEGMENTS * 1024)
+    tokens, needle_at = haystack.build_text_prompt(tokenizer, source, params["length"], d["depth"], d["key"],
+                                                   d["offset"])
+    base = {"key": d["key"], "source": d["source"], "depth": d["depth"], "prompt_tokens": len(tokens),
+            "needle_position": needle_at}
+    engine, logits, skipped = prefill_or_skip(params, model, tokens)
+    if skipped is not None:
+        return {**base, "skipped": skipped}
+    if params["policy"] == "full":
+        base["needle_distinctiveness"] = _needle_distinctiveness(engine, needle_at, 4)
+    kept = _needle_retention(engine, needle_at, 4)
+    answer = engine.generate(logits, params["max_new_tokens"], eos=getattr(tokenizer, "stop_ids", ()))
+    text = tokenizer.decode(answer)
+    match = re.search(r"\d+", text)
+    predicted = match.group(0) if match else ""
+    return {**base, "answer": text, "predicted": predicted, "correct": predicted == str(d["key"]),
+            "needle_retention": kept}
+
+
+def _needle_distinctiveness(engine: Engine, start: int, width: int) -> float | None:
+    """How distinctive the needle's keys are by KeyDiff's score (its anchor distance): the
+    fraction of the prompt's tokens scoring below the needle tokens' mean, averaged over
+    layers and KV heads (1.0: the most distinctive of all; about 0.5: typical)."""
+    if start < 0:
+        return None
+    fractions = []
+    for cache in engine.caches:
+        scores = anchor_scores(cache.keys)                         # (Hkv, n)
+        inside = (cache.positions >= start) & (cache.positions < start + width)
+        for head in range(scores.shape[0]):
+            needle = scores[head][inside[head]].mean()
+            fractions.append(float(np.mean(scores[head] < needle)))
+    return float(np.mean(fractions))
 
 
 def _needle_retention(engine: Engine, start: int, width: int) -> float | None:

@@ -110,6 +110,10 @@ class Settings:
     output_prompts : int or None
         Prompts of the output-error, attention-loss and (when given, or with ``full``) Fig. 2
         cosine cells; None: the grid's default.
+    registered : bool
+        The registered design (``docs/guide/registration.rst``), for the experiments that
+        have one: passkey's calibration (without ``passkey_lengths``) or its test grid at
+        the one calibrated length.
     """
 
     quick: bool = False
@@ -125,11 +129,14 @@ class Settings:
     passkey_prompts: int | None = None
     passkey_lengths: tuple[int, ...] | None = None
     output_prompts: int | None = None
+    registered: bool = False
 
     def __post_init__(self):
         check_choice("dtype", self.dtype, ("float32", "float64"))
         if self.quick and self.full:
             raise ValueError("quick and full are exclusive: choose the tiny grid or the powered one")
+        if self.registered and (self.quick or self.full):
+            raise ValueError("registered is a grid of its own: give it without quick or full")
         for name in ("texts", "passkey_prompts", "output_prompts"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
