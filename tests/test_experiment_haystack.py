@@ -77,3 +77,24 @@ def test_the_needle_lands_near_its_depth(depth):
     start, end = text.index("\n\n") + 2, text.rindex("\n\n")
     needle = text.index(haystack.NEEDLE.format(key=54321))
     assert abs((needle - start) / (end - start) - depth) < 0.1
+
+
+def test_the_registered_perplexity_grid():
+    from refkv.experiments import perplexity
+
+    grid = perplexity.cells(Settings(model="smollm2", registered=True))
+    verdict = {(c["text"], c["segment"]) for c in grid if not c["policy"].startswith("mat")}
+    selection = {(c["text"], c["segment"]) for c in grid if c["policy"].startswith("mat")}
+    assert len(verdict) == 16 and len(selection) == 4 and not verdict & selection   # MAT chosen on other texts
+    assert {t for t, _ in verdict} == {"pydoc_prose", "kjv_narrative"}
+    by_policy = {}
+    for c in grid:
+        by_policy.setdefault((c["policy"], c["block"]), set()).add((c["text"], c["segment"]))
+    for policy in perplexity.REGISTERED_BLOCKED:
+        assert by_policy[(policy, 32)] == verdict
+    assert {p for p, b in by_policy if b == 1} == {"sink", "knorm:recent=10,sink=4", "hashevict:seed=0",
+                                                   "hashevict:seed=1", "hashevict:seed=2"}
+    chosen = perplexity.cells(Settings(model="smollm2", registered=True, policies=("mat:beta=32,shallow_layers=2",)))
+    assert {(c["text"], c["segment"]) for c in chosen} == verdict and {c["block"] for c in chosen} == {1}
+    with pytest.raises(ValueError, match="one MAT spec"):
+        perplexity.cells(Settings(model="smollm2", registered=True, policies=("keydiff",)))

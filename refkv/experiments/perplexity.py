@@ -57,6 +57,7 @@ from .common import (
     COMPARABLE_BASELINES,
     FAST_CAOTE,
     best_of_grid,
+    canonical_spec,
     configuration,
     default_policies,
     equal_memory_budget,
@@ -90,6 +91,66 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return log_norm - z[np.arange(len(targets)), targets]
 
 
+#: The registered design's perplexity grid (``docs/guide/registration.rst``): texts per source
+#: for verdicts and for choosing MAT's configuration, the policies in blocks (claims L1, C1)
+#: and token by token (M1, H1), and HashEvict's seeds.
+REGISTERED_TEXTS_PER_SOURCE = 8
+REGISTERED_SELECTION_TEXTS_PER_SOURCE = 2
+REGISTERED_BLOCKED = ("keydiff", "snapkv", "tova", "h2o", "caote:base=h2o", "caote:base=tova", "caote:base=snapkv")
+REGISTERED_TOKEN_BY_TOKEN = ("sink", "knorm:recent=10,sink=4", "hashevict:seed=0", "hashevict:seed=1",
+                             "hashevict:seed=2")
+REGISTERED_BUDGET = 128
+REGISTERED_BLOCK = 32
+
+
+def registered_texts(purpose: str) -> list[tuple[str, int]]:
+    """The registered ``(source, segment)`` texts: ``"verdict"`` (segments 0-7 of each source)
+    or ``"selection"`` (segments 8-9, MAT's configuration only); never both."""
+    from ..model.sample_text import PROSE_SOURCES
+
+    first, count = ((0, REGISTERED_TEXTS_PER_SOURCE) if purpose == "verdict" else
+                    (REGISTERED_TEXTS_PER_SOURCE, REGISTERED_SELECTION_TEXTS_PER_SOURCE))
+    return [(source, segment) for segment in range(first, first + count) for source in PROSE_SOURCES]
+
+
+def registered_cells(settings: Settings) -> list[dict]:
+    """The registered perplexity grid.
+
+    Without ``policies``: the full cache and :data:`REGISTERED_BLOCKED` at ``N = 128``,
+    ``B = 32`` on the 16 verdict texts, :data:`REGISTERED_TOKEN_BY_TOKEN` at ``B = 1`` on
+    them, and MAT's grid (:func:`~refkv.experiments.common.mat_grid`) at ``N = 128``,
+    ``B = 32`` on the 4 selection texts with their full-cache references. With
+    ``policies`` = the one MAT spec chosen on the selection texts: that spec at ``B = 1``
+    on the verdict texts (claim M1).
+    """
+    model = settings.resolved_model()
+    length = settings.text_length or 1024
+    n_layers = TINY.n_layers if model == "tiny" else None
+
+    def cell(text, policy, budget, block):
+        return {"model": model, "dtype": settings.dtype, "seed": settings.seed, "design": "registered",
+                "text": text[0], "segment": text[1], "length": length, "policy": policy, "budget": budget,
+                "block": block}
+
+    verdict, selection = registered_texts("verdict"), registered_texts("selection")
+    if settings.policies is not None:
+        chosen = [canonical_spec(p) for p in settings.policies]
+        if len(chosen) != 1 or parse_spec(chosen[0])[0] != "mat":
+            raise ValueError(f"policies must be the one MAT spec chosen on the selection texts for the registered "
+                             f"grid, got {list(settings.policies)}")
+        return [cell(text, chosen[0], REGISTERED_BUDGET, 1) for text in verdict]
+    out = []
+    for text in verdict:
+        out.append(cell(text, "full", None, REGISTERED_BLOCK))
+        out.extend(cell(text, p, REGISTERED_BUDGET, REGISTERED_BLOCK) for p in REGISTERED_BLOCKED)
+        out.extend(cell(text, canonical_spec(p), REGISTERED_BUDGET, 1) for p in REGISTERED_TOKEN_BY_TOKEN)
+    for text in selection:
+        out.append(cell(text, "full", None, REGISTERED_BLOCK))
+        out.extend(cell(text, spec, REGISTERED_BUDGET, REGISTERED_BLOCK)
+                   for spec in mat_grid(REGISTERED_BUDGET, n_layers))
+    return out
+
+
 def cells(settings: Settings) -> list[dict]:
     """The grid: text segments x (dense + policies x budgets x block sizes).
 
@@ -99,7 +160,10 @@ def cells(settings: Settings) -> list[dict]:
     evicts after attention also at budget ``N - B`` (equal peak memory with the evict-before
     policies at ``N``, :func:`~refkv.experiments.common.equal_memory_budget`), and the
     token-by-token (``B = 1``) cells of :data:`TOKEN_BY_TOKEN` on every text.
+    ``registered``: :func:`registered_cells`.
     """
+    if settings.registered:
+        return registered_cells(settings)
     model = settings.resolved_model()
     real = model != "tiny"
     texts = sample_size(settings, "texts")
