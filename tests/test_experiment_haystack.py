@@ -83,9 +83,10 @@ def test_the_registered_perplexity_grid():
     from refkv.experiments import perplexity
 
     grid = perplexity.cells(Settings(model="smollm2", registered=True))
-    verdict = {(c["text"], c["segment"]) for c in grid if not c["policy"].startswith("mat")}
+    verdict = {(c["text"], c["segment"]) for c in grid if c["policy"] == "keydiff"}
     selection = {(c["text"], c["segment"]) for c in grid if c["policy"].startswith("mat")}
     assert len(verdict) == 16 and len(selection) == 4 and not verdict & selection   # MAT chosen on other texts
+    assert {(c["text"], c["segment"]) for c in grid if c["policy"] == "full"} == verdict | selection
     assert {t for t, _ in verdict} == {"pydoc_prose", "kjv_narrative"}
     by_policy = {}
     for c in grid:
