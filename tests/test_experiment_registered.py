@@ -162,3 +162,90 @@ def test_unregistered_comparisons_are_refused():
         verdict_rows(REGISTRATION, [Comparison("P1", "keydiff", "sink", x, x, "prompts")])
     with pytest.raises(ValueError, match="not registered"):
         verdict_rows(REGISTRATION, [Comparison("Z9", "keydiff", "sink", x, x, "prompts")])
+
+
+def _record(params: dict, result: dict) -> dict:
+    return {"params": {"design": "registered", **params}, "result": result}
+
+
+def test_calibration_picks_the_largest_length_at_the_ceiling():
+    from refkv.experiments.registered import calibrated_length
+
+    records = []
+    for length, right in ((512, 60), (768, 57), (1024, 56)):
+        records += [_record({"purpose": "calibration", "length": length, "sample": s, "policy": "full"},
+                            {"correct": s < right}) for s in range(60)]
+    length, tally = calibrated_length(records, REGISTRATION)
+    assert length == 768 and tally[1024] == (56, 60)          # 56/60 = 0.933 < 0.95
+    records = [r for r in records if r["params"]["length"] == 1024]
+    assert calibrated_length(records, REGISTRATION)[0] is None
+
+
+def test_records_become_the_registered_comparisons():
+    from refkv.experiments.registered import chosen_mat, passkey_comparisons, perplexity_comparisons
+    from refkv.experiments.perplexity import registered_texts
+
+    rng = np.random.default_rng(0)
+    records = []
+    for s in range(60):
+        base = {"purpose": "test", "length": 1024, "sample": s}
+        for policy in ("keydiff", "snapkv", "tova", "h2o"):
+            for block in (128, None):
+                records.append(_record({**base, "policy": policy, "block": block}, {"correct": bool(rng.random() < 0.5)}))
+    comparisons = passkey_comparisons(records)
+    assert [(c.claim, c.a, c.b) for c in comparisons] == [
+        ("P1", "keydiff", "snapkv"), ("P1", "keydiff", "tova"), ("P1", "keydiff", "h2o"),
+        ("P2", "snapkv@oneshot", "snapkv@blocks"), ("P2", "tova@oneshot", "tova@blocks"),
+        ("P2", "h2o@oneshot", "h2o@blocks")]
+    assert all(len(c.a_values) == 60 for c in comparisons)
+    assert len(verdict_rows(REGISTRATION, comparisons)) == 6
+
+    texts = registered_texts("verdict")
+    ppl = []
+    for i, (text, segment) in enumerate(texts):
+        cell = {"text": text, "segment": segment}
+        ppl.append(_record({**cell, "policy": "full", "block": 32}, {"ppl": 10.0 + i}))
+        for policy, extra in (("keydiff", 3.0), ("snapkv", 2.0), ("tova", 2.5), ("h2o", 4.0),
+                              ("caote:base=h2o", 3.5), ("caote:base=tova", 2.4), ("caote:base=snapkv", 1.9)):
+            ppl.append(_record({**cell, "policy": policy, "block": 32}, {"ppl": 10.0 + i + extra + 0.01 * (i % 3)}))
+        for seed, extra in enumerate((1.0, 1.2, 1.4)):
+            ppl.append(_record({**cell, "policy": f"hashevict:seed={seed}", "block": 1}, {"ppl": 10.0 + i + extra}))
+        ppl.append(_record({**cell, "policy": "knorm:recent=10,sink=4", "block": 1}, {"ppl": 10.0 + i + 2.0}))
+        ppl.append(_record({**cell, "policy": "sink", "block": 1}, {"ppl": 10.0 + i + 1.5}))
+        ppl.append(_record({**cell, "policy": "mat:beta=16,shallow_layers=2", "block": 1}, {"ppl": 10.0 + i + 1.1}))
+    for text, segment in registered_texts("selection"):
+        for spec, value in (("mat:beta=16,shallow_layers=2", 12.0), ("mat:beta=32,shallow_layers=0", 12.5)):
+            ppl.append(_record({"text": text, "segment": segment, "policy": spec, "block": 32}, {"ppl": value}))
+    assert chosen_mat(ppl) == "mat:beta=16,shallow_layers=2"
+    by_pair = {(c.claim, c.a, c.b): c for c in perplexity_comparisons(ppl)}
+    h1 = by_pair[("H1", "hashevict", "knorm:recent=10,sink=4")]
+    assert h1.a_values[0] == pytest.approx(11.2) and h1.reference == pytest.approx(2.0)   # the seeds' mean
+    l1 = by_pair[("L1", "keydiff", "snapkv")]
+    assert len(l1.a_values) == 16 and l1.unit == "texts"
+    rows = {(r["claim"], r["b"]): r for r in verdict_rows(REGISTRATION, list(by_pair.values()))}
+    assert rows[("L1", "snapkv")]["verdict"] == "reversed"        # KeyDiff 1.0 worse on every text
+    assert rows[("M1", "sink")]["verdict"] == "holds"             # MAT 0.4 better on every text
+    assert rows[("M1", "sink")]["paper_effect"] == pytest.approx(-1.5 * 0.15 / 0.84)
+
+
+def test_the_docs_script_writes_the_registered_tables(tmp_path, monkeypatch):
+    """docs/registered_verdicts.py reads the results folder's records and writes the three
+    tables; a calibration record set with one passing length is named as chosen."""
+    import importlib.util
+
+    from refkv.files import atomic_write
+
+    docs = pathlib.Path(__file__).resolve().parent.parent / "docs"
+    spec = importlib.util.spec_from_file_location("registered_verdicts", docs / "registered_verdicts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "OUT", tmp_path / "out")
+    lines = [json.dumps({"key": f"c{s}", "params": {"design": "registered", "purpose": "calibration",
+                                                     "length": 512, "sample": s, "policy": "full"},
+                         "result": {"correct": True}}) for s in range(60)]
+    (tmp_path / "results").mkdir()
+    atomic_write(tmp_path / "results" / "passkey.jsonl", "\n".join(lines) + "\n")
+    assert module.main([str(tmp_path / "results")]) == 0
+    calibration = (tmp_path / "out" / "calibration.csv").read_text().splitlines()
+    assert calibration == ["length,correct,prompts,chosen", "512,60,60,True"]
+    assert (tmp_path / "out" / "verdicts.csv").read_text().startswith("claim,a,b,n,unit,estimate")

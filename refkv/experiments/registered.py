@@ -25,7 +25,16 @@ import numpy as np
 
 from .stats import Interval, holm, mcnemar_exact, newcombe_paired_difference, paired_t_test
 
-__all__ = ["Comparison", "paper_effect", "verdict_rows", "versus_paper"]
+__all__ = [
+    "Comparison",
+    "calibrated_length",
+    "chosen_mat",
+    "paper_effect",
+    "passkey_comparisons",
+    "perplexity_comparisons",
+    "verdict_rows",
+    "versus_paper",
+]
 
 #: Measures tested as paired binary outcomes; everything else is a paired mean.
 BINARY_MEASURES = ("passkey accuracy",)
@@ -178,3 +187,110 @@ def verdict_rows(registration: dict, comparisons: list[Comparison], *, alpha: fl
                          "high": interval.high, "p": p, "p_holm": float(p_holm), "verdict": verdict,
                          "paper_effect": effect, "versus_paper": versus_paper(interval, effect, direction)})
     return rows
+
+
+# -- from records to comparisons ----------------------------------------------------------------
+def _registered(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["params"].get("design") == "registered" and "skipped" not in r["result"]]
+
+
+def calibrated_length(records: list[dict], registration: dict) -> tuple[int | None, dict[int, tuple[int, int]]]:
+    """The registered passkey length: the largest calibration length at which the full cache
+    answered at least the registered ceiling (e.g. 57 of 60); ``None`` if none did.
+
+    Returns the length and, per length, ``(correct, prompts)`` of the calibration.
+    """
+    need = registration["samples"]["passkey_ceiling_required"]
+    tally: dict[int, list[int]] = {}
+    for r in _registered(records):
+        if r["params"].get("purpose") == "calibration":
+            counts = tally.setdefault(r["params"]["length"], [0, 0])
+            counts[0] += bool(r["result"]["correct"])
+            counts[1] += 1
+    passing = [length for length, (right, n) in tally.items() if n and right / n >= need]
+    return (max(passing) if passing else None), {k: (v[0], v[1]) for k, v in sorted(tally.items())}
+
+
+def passkey_comparisons(records: list[dict]) -> list[Comparison]:
+    """Claims P1 (KeyDiff vs each attention-based policy, blocks) and P2 (each attention-based
+    policy one-shot vs blocks) from the registered test records, paired by prompt."""
+    answers: dict[tuple, dict[int, bool]] = {}      # (policy, block) -> {sample: correct}
+    for r in _registered(records):
+        p = r["params"]
+        if p.get("purpose") == "test" and p["policy"] != "full":
+            answers.setdefault((p["policy"], p["block"]), {})[p["sample"]] = bool(r["result"]["correct"])
+    blocked = {policy: block for policy, block in answers if block is not None}
+
+    def pair(claim, a_name, a_key, b_name, b_key):
+        if a_key not in answers or b_key not in answers:
+            return None
+        prompts = sorted(set(answers[a_key]) & set(answers[b_key]))
+        return Comparison(claim, a_name, b_name, np.array([answers[a_key][q] for q in prompts]),
+                          np.array([answers[b_key][q] for q in prompts]), "prompts")
+
+    out = []
+    for other in ("snapkv", "tova", "h2o"):
+        if "keydiff" in blocked and other in blocked:
+            out.append(pair("P1", "keydiff", ("keydiff", blocked["keydiff"]), other, (other, blocked[other])))
+    for policy in ("snapkv", "tova", "h2o"):
+        if policy in blocked:
+            out.append(pair("P2", f"{policy}@oneshot", (policy, None), f"{policy}@blocks", (policy, blocked[policy])))
+    return [c for c in out if c is not None]
+
+
+def _per_text_ppl(records: list[dict], policy: str, block: int) -> dict[tuple, float]:
+    return {(r["params"]["text"], r["params"]["segment"]): r["result"]["ppl"] for r in _registered(records)
+            if r["params"]["policy"] == policy and r["params"]["block"] == block}
+
+
+def chosen_mat(records: list[dict]) -> str | None:
+    """MAT's spec with the lowest mean per-text perplexity on the selection texts (the only
+    records of MAT in blocks); ties go to the spec that sorts first."""
+    from .perplexity import REGISTERED_BLOCK
+
+    means = {}
+    for r in _registered(records):
+        p = r["params"]
+        if p["policy"].startswith("mat") and p["block"] == REGISTERED_BLOCK:
+            means.setdefault(p["policy"], []).append(r["result"]["ppl"])
+    return min(sorted(means), key=lambda spec: float(np.mean(means[spec]))) if means else None
+
+
+def perplexity_comparisons(records: list[dict]) -> list[Comparison]:
+    """Claims L1, C1, H1 and M1 from the registered perplexity records, paired by text.
+
+    Each unit is a verdict text; ``reference`` is B's mean per-text gap to the full cache on
+    the same texts (what a paper's fraction of a gap scales). HashEvict's per-text value is
+    its mean over the registered seeds; MAT is the spec :func:`chosen_mat` picks.
+    """
+    from .perplexity import REGISTERED_BLOCK, registered_texts
+
+    texts = registered_texts("verdict")
+    full = _per_text_ppl(records, "full", REGISTERED_BLOCK)
+
+    def side(policy, block):
+        if policy == "hashevict":
+            seeds = [_per_text_ppl(records, f"hashevict:seed={s}", block) for s in range(3)]
+            return {t: float(np.mean([seed[t] for seed in seeds])) for t in texts if all(t in seed for seed in seeds)}
+        return _per_text_ppl(records, policy, block)
+
+    def pair(claim, a_name, a, b_name, b):
+        units = [t for t in texts if t in a and t in b and t in full]
+        if len(units) < 2:
+            return None
+        b_values = np.array([b[t] for t in units])
+        reference = float(np.mean(b_values - np.array([full[t] for t in units])))
+        return Comparison(claim, a_name, b_name, np.array([a[t] for t in units]), b_values, "texts", reference)
+
+    out = []
+    for other in ("snapkv", "tova", "h2o"):
+        out.append(pair("L1", "keydiff", side("keydiff", REGISTERED_BLOCK), other, side(other, REGISTERED_BLOCK)))
+    for base in ("h2o", "tova", "snapkv"):
+        out.append(pair("C1", f"caote:base={base}", side(f"caote:base={base}", REGISTERED_BLOCK), base,
+                        side(base, REGISTERED_BLOCK)))
+    out.append(pair("H1", "hashevict", side("hashevict", 1), "knorm:recent=10,sink=4",
+                    side("knorm:recent=10,sink=4", 1)))
+    mat = chosen_mat(records)
+    if mat is not None:
+        out.append(pair("M1", "mat@selected", side(mat, 1), "sink", side("sink", 1)))
+    return [c for c in out if c is not None]
