@@ -240,3 +240,34 @@ def test_h2o_stored_state_includes_the_current_block(block):
         b = case.sizes["block"]
         np.testing.assert_allclose(earlier[:, -b:], 0.0, atol=1e-12)
         assert (earlier[:, :-b] > 0).all()
+
+
+# -- the docs' PyTorch workflow drives the press's own compress ------------------------------------
+def _kvpress_example() -> str:
+    text = (DOCS / "kvpress.rst").read_text(encoding="utf-8")
+    block = text[text.index(".. begin-example\n"):text.index(".. end-example\n")]
+    return "\n".join(line[3:] for line in block.splitlines()[4:])  # under ".. code-block:: python"
+
+
+def test_kvpress_example_selects_with_the_press_compress_not_its_own_top_k():
+    code = _kvpress_example()
+    assert "press.compress(" in code and "topk" not in code
+
+
+def test_kvpress_example_fails_when_the_press_compress_is_wrong(tmp_path, monkeypatch):
+    # The example checks kvpress's selection, not a copy of it: a compress that keeps the
+    # lowest scores instead of the highest makes it fail.
+    pytest.importorskip("kvpress")
+    from kvpress.presses.scorer_press import ScorerPress
+
+    def keeps_the_lowest(self, module, hidden_states, keys, values, attentions, kwargs):
+        scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+        n_kept = int(keys.shape[2] * (1 - self.compression_ratio))
+        indices = scores.topk(n_kept, dim=-1, largest=False).indices
+        indices = indices.unsqueeze(-1).expand(-1, -1, -1, module.head_dim)
+        return keys.gather(2, indices), values.gather(2, indices)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ScorerPress, "compress", keeps_the_lowest)
+    with pytest.raises(AssertionError, match="kept tokens differ from the reference"):
+        exec(compile(_kvpress_example(), "kvpress.rst example", "exec"), {"__name__": "kvpress_example"})
