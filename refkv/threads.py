@@ -84,12 +84,25 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _cpu_times() -> tuple[float, float] | None:
-    """(idle, total) jiffies of all CPUs from ``/proc/stat``, or None where there is none."""
+def _read_proc_stat() -> str | None:
+    """The first line of ``/proc/stat`` (all CPUs' times), or None where there is none."""
     try:
         with open("/proc/stat", encoding="ascii") as stat:
-            fields = [float(x) for x in stat.readline().split()[1:9]]  # user .. steal
-    except (OSError, ValueError):
+            return stat.readline()
+    except OSError:
+        return None
+
+
+def _cpu_times() -> tuple[float, float] | None:
+    """(idle, total) jiffies of all CPUs from ``/proc/stat``'s ``cpu`` line, or None.
+
+    The line is ``cpu user nice system idle iowait irq softirq steal guest guest_nice``;
+    guest time is already counted in user and nice, so the total is the first eight.
+    """
+    line = _read_proc_stat()
+    try:
+        fields = [float(x) for x in (line or "").split()[1:9]]  # user .. steal
+    except ValueError:
         return None
     if len(fields) < 5:
         return None

@@ -11,14 +11,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..validation import check_float
+from ..validation import check_choice, check_float
 from .arrays import as_array, compare_arrays
 from .declare import Declarations
 from .retention import compare_ranking, compare_retention
 from .status import Status
 from .tolerance import check_dtype_name, score_tolerance, tie_rule_meaningless
+from .vectors import as_vector_case
 
-__all__ = ["CaseResult", "compare_case", "describe_position", "tolerance_rule"]
+__all__ = ["KEPT_AS", "CaseResult", "compare_case", "describe_position", "tolerance_rule"]
+
+#: How a candidate's ``kept`` names its tokens: column indices into the case's candidates
+#: (the format's own), or the tokens' positions (``inputs["positions"]``).
+KEPT_AS = ("columns", "positions")
 
 
 @dataclass
@@ -77,15 +82,18 @@ def tolerance_rule(dtype: str, factor: float) -> str:
 
 
 def compare_case(candidate: dict, reference, *, dtype=None, declare=None, tolerance_factor: float = 1.0,
-                 strict_ties: bool = False, check_dtype="kind") -> CaseResult:
+                 strict_ties: bool = False, check_dtype="kind", kept_as: str = "columns") -> CaseResult:
     """Compare a candidate's outputs with a reference :class:`~refkv.oracle.vectors.VectorCase`.
 
     Parameters
     ----------
     candidate : dict
         Any of ``"scores"`` (Hkv, n), ``"protected"`` (Hkv, n) bool, ``"kept"`` (Hkv, m)
-        column indices; array-likes (:func:`refkv.oracle.arrays.as_array`).
-    reference : VectorCase
+        column indices (or positions, ``kept_as``); array-likes
+        (:func:`refkv.oracle.arrays.as_array`).
+    reference : VectorCase or dict
+        A case, or what :func:`refkv.oracle.vectors.encode_case` returns
+        (:func:`refkv.oracle.vectors.as_vector_case`).
     dtype : {"float64", "float32", "bfloat16", "float16"}, optional
         The precision the candidate computed in; default the case's own dtype. Score
         tolerances derive from it (:func:`refkv.oracle.tolerance.score_tolerance`).
@@ -97,8 +105,15 @@ def compare_case(candidate: dict, reference, *, dtype=None, declare=None, tolera
         Accepted ties fail too.
     check_dtype : {"kind", True, False}
         As in :func:`refkv.oracle.arrays.compare_arrays`.
+    kept_as : {"columns", "positions"}
+        What ``kept`` holds: column indices into the case's ``n`` candidates (default, the
+        format's), or the kept tokens' positions (``inputs["positions"]``), converted per
+        head. A column outside ``[0, n - 1]`` or a position that is not a candidate fails
+        with a message naming which was expected.
     """
     factor = check_float("tolerance_factor", tolerance_factor, 0.0, low_open=True)
+    kept_as = check_choice("kept_as", kept_as, KEPT_AS)
+    reference = as_vector_case(reference)
     name = check_dtype_name(dtype) or reference.dtype
     decl = Declarations.parse(declare)
     unknown = sorted(set(candidate) - {"scores", "protected", "kept"})
@@ -131,13 +146,17 @@ def compare_case(candidate: dict, reference, *, dtype=None, declare=None, tolera
                             check_dtype=check_dtype, describe_index=describe)
         if mm:
             result.messages.append("protected: " + mm.message.replace("\n", "\n  "))
-    if "kept" in candidate:
-        kept = as_array(candidate["kept"], "kept")
+    kept, problem = (_kept_columns(as_array(candidate["kept"], "kept"), positions, kept_as)
+                     if "kept" in candidate else (None, None))
+    if problem:
+        result.messages.append("kept: " + problem)
+    elif kept is not None:
         exact = kept.shape == ref["kept"].shape and np.array_equal(kept, ref["kept"])
         ret = compare_retention(kept, ref["kept"], ref_scores, positions=positions, protected=ref["protected"],
                                 tolerance=None if exact else tolerance(), rule=tolerance_rule(name, factor))
         if not ret.ok:
-            result.messages.append("kept: " + ret.failure + _kept_sets(ret.head, kept, ref["kept"], positions))
+            result.messages.append("kept: " + ret.failure + _kept_sets(ret.head, kept, ref["kept"], positions)
+                                   + _positions_hint(kept, positions, ref["kept"], kept_as))
         result.ties = ret.ties
         if strict_ties and ret.ties:
             result.messages.extend("kept (strict ties): " + t.describe() for t in ret.ties)
@@ -155,6 +174,56 @@ def compare_case(candidate: dict, reference, *, dtype=None, declare=None, tolera
     elif result.ties:
         result.status = Status.TIE
     return result
+
+
+def _kept_columns(kept: np.ndarray, positions: np.ndarray, kept_as: str):
+    """``(columns, None)``, or ``(None, message)`` where ``kept`` cannot name candidates as ``kept_as`` says.
+
+    Arrays of the wrong shape or dtype pass through: the retention comparison reports those.
+    """
+    hkv, n = positions.shape
+    if kept.ndim != 2 or kept.shape[0] != hkv or kept.dtype.kind not in "iu":
+        return kept, None
+    if kept_as == "columns":
+        outside = np.argwhere((kept < 0) | (kept >= n))
+        if outside.size:
+            h, i = outside[0]
+            hint = (" (they look like token positions: pass kept_as='positions')"
+                    if _as_positions(kept, positions) is not None else "")
+            return None, (f"head {h}: candidate keeps column {int(kept[h, i])}, outside [0, {n - 1}]: kept must "
+                          f"hold column indices into the case's {n} candidates, not token positions{hint}")
+        return kept, None
+    columns = _as_positions(kept, positions)
+    if columns is None:
+        for h in range(hkv):
+            missing = sorted(set(kept[h].tolist()) - set(positions[h].tolist()))
+            if missing:
+                return None, (f"head {h}: candidate keeps position {missing[0]}, which is not among the case's "
+                              f"candidates: with kept_as='positions' kept must hold token positions "
+                              f"(inputs['positions']), not column indices")
+    return columns, None
+
+
+def _as_positions(kept: np.ndarray, positions: np.ndarray) -> np.ndarray | None:
+    """Per head, the columns holding the positions ``kept`` names; None if one is not a candidate."""
+    columns = np.empty(kept.shape, dtype=np.int64)
+    for h in range(positions.shape[0]):
+        column_of = {int(p): c for c, p in enumerate(positions[h])}
+        try:
+            columns[h] = [column_of[int(p)] for p in kept[h]]
+        except KeyError:
+            return None
+    return columns
+
+
+def _positions_hint(kept, positions, desired, kept_as) -> str:
+    """A hint when failing column indices, read as positions, would be exactly the reference's kept set."""
+    if kept_as != "columns" or kept.shape != desired.shape:
+        return ""
+    as_columns = _as_positions(kept, positions)
+    if as_columns is None or not all(set(a.tolist()) == set(d.tolist()) for a, d in zip(as_columns, desired)):
+        return ""
+    return "\n  kept holds the reference's kept positions: pass kept_as='positions' if they are positions"
 
 
 def _kept_sets(h, kept, desired, positions) -> str:

@@ -116,6 +116,11 @@ def check_vector_file(candidate_path, reference_path, *, dtype=None, declare=Non
         report.notes.append(f"warning: in {warnings} case(s) the tie rule accepts any swap at this precision "
                             f"(every pair of scores within tolerance)")
     report.status = Status.of(n_fail, n_tie)
+    report.compared = len(ref.cases)
+    if not ref.cases:
+        report.notes.append("warning: nothing compared: no reference case matches the selection"
+                            + (" (default parameters only)" if default_params_only else "")
+                            + (f" (case dtype {case_dtype})" if case_dtype else ""))
     report.summary = (f"{len(ref.cases)} cases: {len(ref.cases) - n_fail} passed"
                       + (f" ({n_tie} with accepted ties)" if n_tie else "") + (f", {n_fail} failed" if n_fail else ""))
     return report
@@ -135,7 +140,7 @@ def check_end_to_end_file(candidate_path, reference_path, *, dtype=None, declare
     res = compare_end_to_end(cand.arrays, ref.arrays, ref.manifest, dtype=name, declare=decl,
                              tolerance_factor=tolerance_factor, strict_ties=strict_ties, final_only=final_only,
                              check_dtype=check_dtype)
-    report = FileReport(rel, "e2e", Status.OK, notes=notes + res.notes)
+    report = FileReport(rel, "e2e", Status.OK, notes=notes + res.notes, compared=res.decisions)
     report.notes.insert(len(notes), f"form: {res.form}" + (" (weaker: only the final cache is compared)"
                                                            if final_only else " (every block's kept sets)"))
     steps = "layers' final caches" if final_only else "(block, layer) steps"

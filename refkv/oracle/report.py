@@ -15,7 +15,8 @@ class FileReport:
 
     ``status`` is a :class:`~refkv.oracle.status.Status` (``OK``, ``TIE``, ``FAIL`` or
     ``MISSING``); ``notes`` say how the file was compared (dtype, declarations, the
-    end-to-end form, warnings).
+    end-to-end form, warnings); ``compared`` counts the vector cases or end-to-end
+    decisions compared (None: not counted).
     """
 
     path: str
@@ -25,6 +26,7 @@ class FileReport:
     failures: list = field(default_factory=list)
     ties: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    compared: int | None = None
 
     def __post_init__(self):
         self.status = Status(self.status)
@@ -41,9 +43,14 @@ class SuiteReport:
     notes: list = field(default_factory=list)
 
     @property
+    def nothing_compared(self) -> bool:
+        """No file, or no file with a case or decision compared (a filter left none)."""
+        return all(f.compared == 0 for f in self.files)
+
+    @property
     def ok(self) -> bool:
-        """Every file passed, and at least one was compared (nothing compared is no pass)."""
-        return bool(self.files) and all(f.status.passed for f in self.files)
+        """Every file passed, and something was compared (nothing compared is no pass)."""
+        return not self.nothing_compared and all(f.status.passed for f in self.files)
 
     def counts(self) -> dict:
         out = {s.value: 0 for s in (Status.OK, Status.TIE, Status.FAIL, Status.MISSING)}
@@ -74,5 +81,13 @@ class SuiteReport:
         ties = f" ({c['tie']} with {n_ties} accepted ties)" if n_ties else ""
         lines.append(f"{n} file{'s' if n != 1 else ''}: {c['ok'] + c['tie']} passed{ties}, {c['fail']} failed, "
                      f"{c['missing']} missing; {self.seconds:.2f} s")
-        lines.append("PASS" if self.ok else ("FAIL (nothing was compared)" if not self.files else "FAIL"))
+        if self.ok:
+            lines.append("PASS")
+        elif not self.files:
+            lines.append("FAIL (nothing was compared)")
+        elif self.nothing_compared:
+            lines.append("FAIL (nothing was compared: no reference case matched the selection -- --default-params, "
+                         "--case-dtype or --dtype)")
+        else:
+            lines.append("FAIL")
         return "\n".join(lines)

@@ -35,8 +35,10 @@ from .synthetic import config_for, max_abs_logit
 __all__ = [
     "DEFAULT_TOLERANCE",
     "MODES",
+    "EncodedCase",
     "VectorCase",
     "VectorFile",
+    "as_vector_case",
     "boundary_gap",
     "candidate_document",
     "case_flags",
@@ -163,8 +165,23 @@ def case_mode(view: View, stage: str) -> str:
     return "oneshot" if whole else "block"
 
 
+class EncodedCase(dict):
+    """What :func:`encode_case` returns: a case's JSON object, written to files as it is.
+
+    A ``dict`` that also remembers its policy's name and parameters (``policy_name``,
+    ``params``; attributes, never written: a file states them once per group), so that
+    :func:`refkv.testing.assert_case` and :func:`refkv.oracle.cases.compare_case` accept it
+    in place of a :class:`VectorCase` (:func:`as_vector_case`).
+    """
+
+    def __init__(self, obj: dict, policy_name: str, params: dict):
+        super().__init__(obj)
+        self.policy_name = policy_name
+        self.params = params
+
+
 def encode_case(policy: Policy, view: View, *, case_id: int, comment: str, extra_flags=(),
-                tolerance: dict | None = None, mode: str | None = None) -> dict:
+                tolerance: dict | None = None, mode: str | None = None) -> EncodedCase:
     """One JSON case from an eviction view; the case's ``budget`` is ``view.keep``, the tokens kept.
 
     Parameters
@@ -236,7 +253,7 @@ def encode_case(policy: Policy, view: View, *, case_id: int, comment: str, extra
         if name in stored:
             inputs[name] = encode_array(getattr(view, name))
     inputs["fields"] = {name: encode_array(array) for name, array in sorted(view.fields.items())}
-    return {
+    return EncodedCase({
         "id": case_id,
         "comment": comment,
         "flags": flags,
@@ -252,7 +269,7 @@ def encode_case(policy: Policy, view: View, *, case_id: int, comment: str, extra
         "inputs": inputs,
         "outputs": {"scores": encode_array(scores), "protected": encode_array(protected),
                     "kept": encode_array(kept)},
-    }
+    }, policy.name, json_params(policy.params()))
 
 
 def json_params(params: dict) -> dict:
@@ -522,6 +539,38 @@ def _read_case(obj: dict, params: dict, policy: str, where: str, candidate: bool
                       params=params, dtype=dtype, stage=stage, layer=layer, n_layers=n_layers, budget=budget,
                       sizes=sizes, tolerance=tolerance, inputs=inputs, fields=fields, outputs=outputs,
                       policy_name=policy, mode=mode)
+
+
+def as_vector_case(case, policy: Policy | None = None) -> VectorCase:
+    """``case`` as a :class:`VectorCase`: one as it is, or a case's JSON object decoded.
+
+    Parameters
+    ----------
+    case : VectorCase or dict
+        A :class:`VectorCase` (:func:`read_vectors`, :func:`refkv.testing.load_cases`), what
+        :func:`encode_case` returns, or a case object read from a vectors file.
+    policy : Policy, optional
+        The case's policy, for a plain dict (what :func:`encode_case` returns knows its own).
+
+    Raises
+    ------
+    ValueError
+        If ``case`` is neither, or a plain dict comes without ``policy``, or the object is
+        not a valid case (the message names the field).
+    """
+    if isinstance(case, VectorCase):
+        return case
+    if not isinstance(case, dict):
+        raise ValueError(f"case must be a VectorCase (load_cases, read_vectors) or a case dict from encode_case, "
+                         f"got {type(case).__name__}")
+    if policy is not None:
+        name, params = policy.name, json_params(policy.params())
+    elif isinstance(case, EncodedCase):
+        name, params = case.policy_name, case.params
+    else:
+        raise ValueError("a case dict read from a file does not name its policy: use the VectorCase from "
+                         "read_vectors or load_cases, or as_vector_case(case, policy)")
+    return _read_case(case, params, name, "case", candidate=False)
 
 
 def read_vectors(path, *, candidate: bool = False) -> VectorFile:

@@ -7,7 +7,7 @@ import numpy as np
 from ..oracle.arrays import as_array, compare_arrays
 from ..oracle.cases import compare_case, describe_position
 from ..oracle.retention import compare_retention
-from ..oracle.vectors import VectorCase
+from ..oracle.vectors import VectorCase, as_vector_case
 
 __all__ = ["assert_case", "assert_same_retention", "assert_scores_close"]
 
@@ -116,9 +116,10 @@ def assert_same_retention(actual, desired, scores, *, positions=None, protected=
                        "kept tokens differ from the reference by ties (strict_ties=True)", err_msg)]
     if not result.ok:
         lines.append(result.failure)
-        if result.head is not None:
-            pos = (np.broadcast_to(np.arange(np.shape(scores)[1]), np.shape(scores)) if positions is None
-                   else np.asarray(positions))
+        n = np.shape(scores)[1]
+        in_range = result.head is not None and bool(np.all((actual[result.head] >= 0) & (actual[result.head] < n)))
+        if in_range:  # a column out of range is the failure itself: no kept sets to show
+            pos = np.broadcast_to(np.arange(n), np.shape(scores)) if positions is None else np.asarray(positions)
             h = result.head
             cand = pos[h][actual[h]]
             ref = pos[h][desired[h]]
@@ -134,19 +135,22 @@ def assert_same_retention(actual, desired, scores, *, positions=None, protected=
     raise AssertionError("\n".join(lines))
 
 
-def assert_case(case: VectorCase, *, scores=None, protected=None, kept=None, dtype=None, declare=None,
-                tolerance_factor: float = 1.0, strict_ties: bool = False, check_dtype="kind") -> list:
+def assert_case(case: VectorCase | dict, *, scores=None, protected=None, kept=None, dtype=None, declare=None,
+                tolerance_factor: float = 1.0, strict_ties: bool = False, check_dtype="kind",
+                kept_as: str = "columns") -> list:
     """Check a candidate's outputs for one golden test vector (:func:`refkv.oracle.cases.compare_case`).
 
     Parameters
     ----------
-    case : refkv.oracle.VectorCase
-        From :func:`load_cases` or :func:`refkv.oracle.read_vectors`.
+    case : refkv.oracle.VectorCase or dict
+        From :func:`load_cases` or :func:`refkv.oracle.read_vectors`, or what
+        :func:`refkv.oracle.vectors.encode_case` returns.
     scores : (Hkv, n) array_like, optional
     protected : (Hkv, n) bool array_like, optional
     kept : (Hkv, m) int array_like, optional
         Whatever the implementation produces (NumPy arrays, lists, torch tensors including
-        bfloat16, jax arrays); at least one must be given.
+        bfloat16, jax arrays); at least one must be given. Column indices into the case's
+        ``n`` candidates, or token positions with ``kept_as="positions"``.
     dtype : {"float64", "float32", "bfloat16", "float16"}, optional
         The precision your kernel computed in; default the case's own dtype. The
         tolerances derive from it (``docs/oracle/tolerances.rst``): a correct kernel
@@ -160,6 +164,10 @@ def assert_case(case: VectorCase, *, scores=None, protected=None, kept=None, dty
         Fail on accepted ties too.
     check_dtype : {"kind", True, False}
         As in :func:`assert_scores_close`.
+    kept_as : {"columns", "positions"}
+        What ``kept`` holds: column indices (default) or the kept tokens' positions
+        (``case.inputs["positions"]``). A column out of range, or a position that is not a
+        candidate, fails with a message saying which was expected.
 
     Returns
     -------
@@ -176,8 +184,9 @@ def assert_case(case: VectorCase, *, scores=None, protected=None, kept=None, dty
     candidate = {k: v for k, v in (("scores", scores), ("protected", protected), ("kept", kept)) if v is not None}
     if not candidate:
         raise ValueError("give at least one of scores, protected, kept")
+    case = as_vector_case(case)
     result = compare_case(candidate, case, dtype=dtype, declare=declare, tolerance_factor=tolerance_factor,
-                          strict_ties=strict_ties, check_dtype=check_dtype)
+                          strict_ties=strict_ties, check_dtype=check_dtype, kept_as=kept_as)
     if result.ok:
         return result.ties
     first, *rest = result.messages
