@@ -1,6 +1,8 @@
 """The explicit KV cache of one layer, with per-token policy state.
 
-Every KV head holds the same number of tokens ``n`` but may hold different tokens.
+Every KV head may hold different tokens. Under a uniform budget every head also holds
+the same number ``n`` of them; a policy with uneven per-head budgets (AdaKV) leaves
+heads with different counts (see *Uneven heads* below).
 Keys are stored after RoPE at their original positions. Per-token policy state (H2O's
 accumulated attention, HashEvict's hash codes, ...) lives here as *fields*, arrays whose
 first two axes are ``(Hkv, n)`` like ``positions``: :meth:`LayerCache.keep` gathers
@@ -27,6 +29,23 @@ hold on to: the cache never writes into memory a view handed out earlier can see
   they do it in place only when no view of the buffer is alive (no reference besides
   the cache's own); otherwise the result goes to a fresh buffer and the old one stays,
   unchanged, with whoever still holds it (copy on write).
+
+Uneven heads
+------------
+When the heads hold different numbers of tokens (:attr:`LayerCache.head_lengths`), the
+arrays stay rectangular, ``(Hkv, n, ...)`` with ``n`` the largest count: each head's real
+tokens come first, in increasing position order, and the rest of its row is **empty
+slots** whose position is :data:`EMPTY` (the largest int64), whose keys and values are
+zero and whose fields hold their ``fill``. The choice keeps the attention kernel
+unchanged: its causal mask ``key_position <= query_position`` already excludes a key at
+position :data:`EMPTY`, so an empty slot gets weight exactly 0 and adds exactly 0 to the
+output. Rows stay sorted (real positions, then :data:`EMPTY`), and :meth:`LayerCache.keep`
+refuses to keep an empty slot, so policies never keep one over a real token.
+
+An append to an uneven cache writes each head's block right after its real tokens, so
+it rebuilds the buffers (``O(n)``, not ``O(B)``); an eviction that leaves the heads even
+restores the ``O(B)`` append. A cache whose heads are even never holds an empty slot,
+and every operation on it is exactly what it was before uneven heads existed.
 """
 
 from __future__ import annotations
@@ -37,11 +56,15 @@ from types import MappingProxyType
 
 import numpy as np
 
-__all__ = ["FieldSpec", "LayerCache"]
+__all__ = ["EMPTY", "FieldSpec", "LayerCache"]
 
 #: Growth factor of a full buffer: geometric growth makes appends amortised O(1) and
 #: wastes at most half of the buffer (a cache under a budget stops growing at N + B).
 GROWTH = 1.5
+
+#: Position of an empty slot (a head holding fewer tokens than the widest head): larger
+#: than any query position, so the causal mask hides it.
+EMPTY = np.iinfo(np.int64).max
 
 
 @dataclass(frozen=True)
@@ -84,7 +107,10 @@ class LayerCache:
     Attributes
     ----------
     keys, values : (Hkv, n, d) arrays
-    positions : (Hkv, n) int64 array, strictly increasing along each row
+    positions : (Hkv, n) int64 array, strictly increasing along each row over the real
+        tokens, then :data:`EMPTY` in empty slots (uneven heads only)
+    head_lengths : (Hkv,) int64 array
+        Real tokens per head (all ``n`` unless the heads are uneven).
     fields : read-only mapping of str to (Hkv, n, \\*shape) arrays
     next_position : int
         Position of the next token to arrive: the number of tokens this layer has seen.
@@ -106,6 +132,7 @@ class LayerCache:
         for name, spec in self.specs.items():
             self._buffers["field:" + name] = np.zeros((n_kv_heads, 0, *spec.shape), dtype=spec.dtype)
         self._n = 0
+        self._lengths = np.zeros(n_kv_heads, dtype=np.int64)  # real tokens per head
         self.next_position = 0
 
     # -- read-only views of the live region ------------------------------------------------
@@ -132,7 +159,29 @@ class LayerCache:
         return MappingProxyType({name: self._live("field:" + name) for name in self.specs})
 
     def __len__(self) -> int:
+        """Slots per head: the largest head's token count."""
         return self._n
+
+    @property
+    def head_lengths(self) -> np.ndarray:
+        """(Hkv,) int64: real tokens each head holds (a copy)."""
+        return self._lengths.copy()
+
+    @property
+    def total(self) -> int:
+        """Real tokens over all heads: the layer's share of the budget in use."""
+        return int(self._lengths.sum())
+
+    @property
+    def uneven(self) -> bool:
+        """Whether some head holds fewer tokens than the widest (the cache has empty slots)."""
+        return bool((self._lengths != self._n).any())
+
+    def positions_or(self, empty: int = -1) -> np.ndarray:
+        """A copy of ``positions`` with ``empty`` in the empty slots (how traces record them)."""
+        positions = self.positions.copy()
+        positions[positions == EMPTY] = empty
+        return positions
 
     @property
     def n_kv_heads(self) -> int:
@@ -185,6 +234,8 @@ class LayerCache:
         if keys.dtype != dtype or values.dtype != dtype:
             raise ValueError(f"keys/values dtype must be {dtype}, got {keys.dtype}/{values.dtype}")
         n, b = self._n, keys.shape[1]
+        if self.uneven:
+            return self._append_uneven(keys, values)
         if n + b > self.capacity:
             self._grow(max(n + b, int(GROWTH * self.capacity)))
         new_positions = np.arange(self.next_position, self.next_position + b, dtype=np.int64)
@@ -195,6 +246,32 @@ class LayerCache:
         for name, spec in self.specs.items():
             self._buffers["field:" + name][:, n:n + b] = spec.fill
         self._n += b
+        self._lengths += b
+        self.next_position += b
+        return new_positions
+
+    def _append_uneven(self, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Append to an uneven cache: each head's block goes right after its real tokens.
+
+        Rebuilds every buffer (fresh arrays, so no view handed out changes): the block lands
+        at a different column in each head, which rewrites the live region.
+        """
+        n, b = self._n, keys.shape[1]
+        width = n + b
+        capacity = max(width, self.capacity)
+        new_positions = np.arange(self.next_position, self.next_position + b, dtype=np.int64)
+        block = {"keys": keys, "values": values, "positions": new_positions}
+        for name, old in list(self._buffers.items()):
+            spec = self.specs.get(name[len("field:"):]) if name.startswith("field:") else None
+            new = np.empty((old.shape[0], capacity, *old.shape[2:]), dtype=old.dtype)
+            new[:, :width] = _empty_value(name, spec)
+            for h, length in enumerate(self._lengths):
+                new[h, :length] = old[h, :length]
+                new[h, length:length + b] = block[name][h] if name in ("keys", "values") else (
+                    block[name] if spec is None else spec.fill)
+            self._buffers[name] = new
+        self._n = width
+        self._lengths += b
         self.next_position += b
         return new_positions
 
@@ -216,15 +293,31 @@ class LayerCache:
             raise ValueError(f"field {name!r} must have shape {expected}, got {array.shape}")
         self._writable("field:" + name)[:, :self._n] = array  # cast to spec.dtype on the way in
 
-    def keep(self, indices: np.ndarray) -> None:
+    def keep(self, indices) -> None:
         """Keep, per KV head, the tokens at ``indices`` and drop the rest.
 
         Parameters
         ----------
-        indices : (Hkv, m) integer array
+        indices : (Hkv, m) integer array, or a sequence of ``Hkv`` 1-D integer arrays
             Column indices into the current cache, strictly increasing along each row
-            (so retained tokens stay in position order), the same count ``m`` per head.
+            (so retained tokens stay in position order). An array keeps ``m`` tokens in
+            every head; a sequence may keep a different count per head (uneven budgets),
+            and the heads then hold empty slots after their tokens (module notes).
+            Every index must name a real token (below the head's
+            :attr:`head_lengths`), never an empty slot.
         """
+        if isinstance(indices, (list, tuple)):
+            rows = [np.asarray(row) for row in indices]
+            if len(rows) != self.n_kv_heads or any(row.ndim != 1 for row in rows):
+                raise ValueError(f"indices must hold {self.n_kv_heads} 1-D rows (one per KV head), "
+                                 f"got {len(rows)} rows of dimensions {[row.ndim for row in rows]}")
+            if len({len(row) for row in rows}) == 1:
+                indices = np.stack(rows) if rows else np.zeros((0, 0), dtype=np.int64)
+            else:
+                for h, row in enumerate(rows):
+                    self._check_row(row, h)
+                self._keep_uneven(rows)
+                return
         indices = np.asarray(indices)
         if indices.ndim != 2 or indices.shape[0] != self.n_kv_heads:
             raise ValueError(f"indices must have shape ({self.n_kv_heads}, m), got {indices.shape}")
@@ -234,6 +327,10 @@ class LayerCache:
             raise ValueError(f"indices must be in [0, {len(self) - 1}]")
         if np.any(np.diff(indices, axis=1) <= 0):
             raise ValueError("indices must be strictly increasing along each row")
+        if self.uneven and indices.size and (indices.max(axis=1) >= self._lengths).any():
+            h = int(np.argmax(indices.max(axis=1) >= self._lengths))
+            raise ValueError(f"head {h}: indices must name real tokens, in [0, {int(self._lengths[h]) - 1}] "
+                             f"(the rest are empty slots)")
         n, m = self._n, indices.shape[1]
         for name in self._buffers:
             if self._shared(name):  # copy on write: the old buffer stays as its readers saw it
@@ -243,6 +340,40 @@ class LayerCache:
             else:
                 _gather(self._buffers[name], self._buffers[name], indices, n)
         self._n = m
+        self._lengths[:] = m
+
+    def _check_row(self, row: np.ndarray, h: int) -> None:
+        if row.size and not np.issubdtype(row.dtype, np.integer):
+            raise ValueError(f"indices must be integers, got dtype {row.dtype} (head {h})")
+        length = int(self._lengths[h])
+        if row.size and (row.min() < 0 or row.max() >= length):
+            raise ValueError(f"head {h}: indices must name real tokens, in [0, {length - 1}]")
+        if np.any(np.diff(row) <= 0):
+            raise ValueError(f"head {h}: indices must be strictly increasing")
+
+    def _keep_uneven(self, rows: list[np.ndarray]) -> None:
+        """Keep ``len(rows[h])`` tokens in head ``h``; the shorter heads end in empty slots."""
+        n = self._n
+        width = max(len(row) for row in rows)
+        for name in self._buffers:
+            spec = self.specs.get(name[len("field:"):]) if name.startswith("field:") else None
+            shared = self._shared(name)  # asked before a local name holds the buffer
+            source = self._buffers[name]
+            target = np.empty_like(source) if shared else source
+            for h, row in enumerate(rows):
+                # np.take copies when its output overlaps its input (target may be source)
+                np.take(source[h, :n], row.astype(np.int64), axis=0, out=target[h, :len(row)], mode="clip")
+                target[h, len(row):width] = _empty_value(name, spec)
+            self._buffers[name] = target
+        self._n = width
+        self._lengths[:] = [len(row) for row in rows]
+
+
+def _empty_value(name: str, spec: FieldSpec | None):
+    """What an empty slot holds in buffer ``name``: :data:`EMPTY`, zeros, or the field's fill."""
+    if name == "positions":
+        return EMPTY
+    return 0 if spec is None else spec.fill
 
 
 def _gather(source: np.ndarray, target: np.ndarray, indices: np.ndarray, n: int) -> None:

@@ -13,6 +13,12 @@ inside each layer (KeyDiff Fig. 1):
 6. if the cache holds more than ``N`` tokens, ``C'_i <- pi_N(C_i)``: the policy's
    scores pick ``N`` tokens per KV head.
 
+Uneven budgets come from the policy: ``policy.layer_budget(N, layer, L)`` is the layer's
+per-head budget ``N_l`` (``N`` for every policy but PyramidKV), and the eviction keeps
+``N_l * Hkv`` tokens in the layer, split over its heads by ``policy.head_budgets`` (even
+for every policy but AdaKV). A layer evicts when its heads hold more than ``N_l * Hkv``
+tokens together, which for even heads is "more than ``N_l`` per head".
+
 Steps 2-6 are :func:`layer_step`, written once and called by both :class:`Engine` and
 the oracle's one-layer replay (:func:`refkv.oracle.synthetic.replay`). With ``record``
 set, the engine keeps a :class:`Trace`: the kept positions after every block and every
@@ -32,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .attention import DEFAULT_KEY_CHUNK, NonFiniteError, attend
-from .cache import LayerCache
+from .cache import EMPTY, LayerCache
 from .model.config import ModelConfig
 from .model.decoder import Model
 from .policies import Policy, View
@@ -82,9 +88,12 @@ class Eviction:
         After the block attended (the block is among the candidates), or before it
         (policies with ``evict_before_attention``).
     positions : (Hkv, n) int64
-        The candidates' positions.
+        The candidates' positions; ``-1`` marks an empty slot (a head holding fewer
+        candidates than the widest, after an uneven eviction).
     kept : (Hkv, m) int64
         Column indices into ``positions`` of the tokens kept, increasing along each row.
+        With uneven head budgets ``m`` is the largest count and each shorter row ends in
+        ``-1`` (so ``(kept >= 0).sum(axis=1)`` is what each head kept).
     view : View or None
         The view the policy decided on (its signals: keys, queries, attention, state), when
         the trace was asked for views (``Engine(record="views")``); ``None`` otherwise.
@@ -99,8 +108,9 @@ class Eviction:
 
     @property
     def kept_positions(self) -> np.ndarray:
-        """(Hkv, m) positions of the kept tokens."""
-        return np.take_along_axis(self.positions, self.kept, axis=1)
+        """(Hkv, m) positions of the kept tokens (``-1`` where ``kept`` is ``-1``)."""
+        taken = np.take_along_axis(self.positions, np.maximum(self.kept, 0), axis=1)
+        return np.where(self.kept >= 0, taken, -1)
 
 
 @dataclass
@@ -108,7 +118,8 @@ class Trace:
     """What the engine did, recorded when ``record`` is set.
 
     ``kept[b][l]`` is the (Hkv, n) int64 array of positions layer ``l`` holds after
-    block ``b``; ``evictions`` lists every eviction in the order the engine made them
+    block ``b`` (``-1`` in the empty slots of a head holding fewer tokens than the
+    widest, under uneven head budgets); ``evictions`` lists every eviction in the order the engine made them
     (:class:`Eviction`), with its view when ``views`` is true.
     """
 
@@ -229,7 +240,7 @@ class Engine:
             _check_finite(x, f"layer {layer}: the hidden state after the layer")
         self.stats.tokens += len(tokens)
         if self.trace is not None:
-            self.trace.kept.append([c.positions.copy() for c in self.caches])
+            self.trace.kept.append([c.positions_or(-1) for c in self.caches])
         logits = self.model.head(x if all_logits else x[-1:])
         _check_finite(logits, f"the logits (LM head after layer {self.model.config.n_layers - 1})")
         return logits if all_logits else logits[0]
@@ -252,16 +263,19 @@ class Engine:
             self._evict(layer, view, keep)
             if self.trace is not None:
                 after = self.caches[layer].positions  # (Hkv, m), a subset of view.positions per row
-                kept = [np.searchsorted(row, a) for row, a in zip(view.positions, after)]
+                # rows are sorted (empty slots, at EMPTY, last): an empty slot maps to -1
+                kept = [np.where(a == EMPTY, -1, np.searchsorted(row, a)) for row, a in zip(view.positions, after)]
+                positions = view.positions.copy()
+                positions[positions == EMPTY] = -1
                 self.trace.evictions.append(Eviction(
-                    block=len(self.trace.kept), layer=layer, stage=stage, positions=view.positions.copy(),
+                    block=len(self.trace.kept), layer=layer, stage=stage, positions=positions,
                     kept=np.asarray(kept, dtype=np.int64).reshape(after.shape),
                     view=decision_view(view, keep) if self.trace.views else None))
         return evict
 
     def _evict(self, layer: int, view: View, keep: int) -> None:
-        """Shrink ``layer``'s cache to ``keep`` tokens per head with the policy's choice."""
-        kept = self.policy.keep_indices(decision_view(view, keep))  # (Hkv, keep)
+        """Shrink ``layer``'s cache to ``keep`` tokens per head (``keep * Hkv`` in all) with the policy's choice."""
+        kept = self.policy.keep_indices(decision_view(view, keep))  # (Hkv, keep), or Hkv rows (uneven)
         self.caches[layer].keep(kept)
         self.stats.evictions += 1
 
@@ -385,7 +399,8 @@ def layer_step(policy: Policy, cache: LayerCache, q: np.ndarray, k: np.ndarray, 
     layer, n_layers : int
         What the views report.
     budget : int or None
-        ``N``; ``None`` never evicts.
+        ``N``; ``None`` never evicts. The layer's own budget is
+        ``policy.layer_budget(N, layer, n_layers)`` (what the views report as ``budget``).
     evict : callable
         ``evict(view, keep, stage)`` must shrink ``cache`` to the ``keep`` tokens per head the
         policy chooses from ``view`` (``view.budget`` is ``N``; see :func:`decision_view`);
@@ -400,13 +415,18 @@ def layer_step(policy: Policy, cache: LayerCache, q: np.ndarray, k: np.ndarray, 
     """
     b = q.shape[1]
     query_positions = np.arange(cache.next_position, cache.next_position + b, dtype=np.int64)  # (B,)
+    if budget is not None:
+        budget = policy.layer_budget(budget, layer, n_layers)
+    hkv = cache.n_kv_heads
 
-    if policy.evict_before_attention and budget is not None and (evict_always or len(cache) + b > budget):
+    # cache.total > budget * hkv: the layer's heads together hold more than their budget
+    # (for even heads, exactly len(cache) > budget)
+    if policy.evict_before_attention and budget is not None and (evict_always or cache.total + b * hkv > budget * hkv):
         evict(step_view(layer, n_layers, cache, q, query_positions, k, v, None, budget, config), budget - b,
               "before-attention")
 
     cache.append(k, v)  # C_i <- [K_{i-1} || k_block]: (Hkv, n + B, d)
-    peak = len(cache)
+    peak = len(cache)  # the widest head's count
     out, weights = attend(q, cache.keys, cache.values, query_positions, cache.positions,
                           return_weights="attention" in policy.needs, key_chunk=key_chunk)  # (H, B, d)
 
@@ -414,7 +434,7 @@ def layer_step(policy: Policy, cache: LayerCache, q: np.ndarray, k: np.ndarray, 
     for name, array in policy.observe(observed).items():
         cache.set_field(name, array)  # (Hkv, n, ...)
     after = not policy.evict_before_attention and evict_always
-    if budget is not None and (after or len(cache) > budget):
+    if budget is not None and (after or cache.total > budget * hkv):
         evict(step_view(layer, n_layers, cache, q, query_positions, k, v, weights, budget, config), budget,
               "after-attention")
     return Step(out=out, weights=weights, peak=peak)

@@ -4,8 +4,12 @@ A policy added to the registry is covered here without any edit: default paramet
 built-in model, block sizes 1, 3 and the whole prompt. Names starting with ``_`` are
 test-only policies registered by other test modules and are left out.
 
-* the budget is respected after every block (exactly ``min(N, tokens seen)``);
-* protected tokens are never evicted; kept positions are unique and sorted;
+* the budget is respected after every block: each layer holds exactly
+  ``min(N_l, tokens seen) * Hkv`` tokens over its heads (``N_l = policy.layer_budget(N, l, L)``,
+  ``N`` but for PyramidKV), and every head exactly ``min(N_l, tokens seen)`` unless the
+  policy allocates per head (``head_budgets``, AdaKV);
+* protected tokens are never evicted; kept positions are unique and sorted; empty slots
+  (uneven heads) follow a head's real tokens;
 * a rerun is bit-identical;
 * with ``N >= T`` nothing is evicted and the logits are those of a full forward pass;
 * attention-free policies (no ``"attention"`` in ``needs``) never materialise attention;
@@ -21,10 +25,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refkv import policies
+from refkv.cache import EMPTY
 from refkv.cli import main
 from refkv.engine import Engine, blocks
 from refkv.model import TINY
-from refkv.policies import available, get, policy_class
+from refkv.policies import Policy, available, get, policy_class
 
 POLICIES = [name for name in available() if not name.startswith("_")]
 #: Policies that never evict; they run with ``budget=None``.
@@ -77,14 +82,20 @@ def check_run(name, model, tokens, budget, block):
     for chunk in blocks(tokens, block):
         engine.forward(chunk)
         seen += len(chunk)
-        for cache in engine.caches:
-            assert len(cache) == (seen if budget is None else min(budget, seen))
-            assert np.all(np.diff(cache.positions, axis=1) > 0)          # unique and sorted
-            assert cache.positions.max() < seen
+        for layer, cache in enumerate(engine.caches):
+            n_layers = len(engine.caches)
+            expected = seen if budget is None else min(policy.layer_budget(budget, layer, n_layers), seen)
+            assert cache.total == expected * cache.n_kv_heads
+            if type(policy).head_budgets is Policy.head_budgets:  # an even policy keeps its heads even
+                assert len(cache) == expected and not cache.uneven
+            for row, length in zip(cache.positions, cache.head_lengths):
+                assert np.all(np.diff(row[:length]) > 0)          # unique and sorted
+                assert np.all(row[length:] == EMPTY)
+                assert row[:length].max(initial=-1) < seen
     for protected, kept in records:
-        assert np.all(np.diff(kept, axis=1) > 0)
-        for head in range(kept.shape[0]):
-            assert set(np.flatnonzero(protected[head])) <= set(kept[head].tolist()), "a protected token was evicted"
+        for head, row in enumerate(kept):
+            assert np.all(np.diff(row) > 0)
+            assert set(np.flatnonzero(protected[head])) <= set(row.tolist()), "a protected token was evicted"
     if "attention" not in policy.needs:
         assert engine.stats.attention_materialised == 0
     return engine
@@ -137,7 +148,9 @@ def test_bit_identical_on_rerun(name, tiny64):
 @pytest.mark.parametrize("name", POLICIES)
 def test_no_eviction_when_budget_covers_prompt(name, block, tiny64):
     budget = None if name in UNBOUNDED else budget_for(name)
-    length = budget or 30
+    # the smallest layer's budget (PyramidKV's top layer; N for the others) covers the prompt
+    length = min(get(name).layer_budget(budget, layer, tiny64.config.n_layers)
+                 for layer in range(tiny64.config.n_layers)) if budget else 30
     tokens = prompt(length, seed=2)
     engine = Engine(tiny64, get(name), budget)
     logits = engine.prefill(tokens, block, all_logits=True)

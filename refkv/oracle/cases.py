@@ -146,8 +146,12 @@ def compare_case(candidate: dict, reference, *, dtype=None, declare=None, tolera
                             check_dtype=check_dtype, describe_index=describe)
         if mm:
             result.messages.append("protected: " + mm.message.replace("\n", "\n  "))
+    uneven = "kept" in candidate and (reference.head_budgets is not None or _ragged(candidate["kept"]))
+    if uneven:
+        _compare_uneven(result, candidate["kept"], reference, ref_scores, positions, kept_as, tolerance,
+                        tolerance_rule(name, factor), strict_ties)
     kept, problem = (_kept_columns(as_array(candidate["kept"], "kept"), positions, kept_as)
-                     if "kept" in candidate else (None, None))
+                     if "kept" in candidate and not uneven else (None, None))
     if problem:
         result.messages.append("kept: " + problem)
     elif kept is not None:
@@ -174,6 +178,70 @@ def compare_case(candidate: dict, reference, *, dtype=None, declare=None, tolera
     elif result.ties:
         result.status = Status.TIE
     return result
+
+
+def _ragged(kept) -> bool:
+    """Whether a candidate's ``kept`` is rows of different lengths (a head keeping fewer tokens).
+
+    (An array padded with ``-1`` is read as uneven only against a reference with
+    ``head_budgets``; against an even one, a ``-1`` is a column outside the candidates.)
+    """
+    return (isinstance(kept, (list, tuple)) and len(kept) > 0
+            and all(isinstance(row, (list, tuple, np.ndarray)) for row in kept)
+            and len({len(row) for row in kept}) > 1)
+
+
+def _rows(kept, hkv: int) -> list[np.ndarray] | str:
+    """A candidate's kept rows without their ``-1`` padding, or the reason they cannot be read."""
+    try:
+        rows = [np.asarray(row) for row in kept]
+    except TypeError:
+        return f"kept must hold one row per KV head ({hkv}), got {type(kept).__name__}"
+    if len(rows) != hkv or any(row.ndim != 1 for row in rows):
+        return f"kept must hold {hkv} rows (one per KV head), got {len(rows)}"
+    for h, row in enumerate(rows):
+        if row.size and row.dtype.kind not in "iu":
+            return f"head {h}: kept must hold integers, got {row.dtype}"
+    return [row[row != -1].astype(np.int64) for row in rows]
+
+
+def _compare_uneven(result, kept, reference, ref_scores, positions, kept_as, tolerance, rule, strict_ties) -> None:
+    """Kept sets of a case whose heads keep different counts (uneven budgets, AdaKV).
+
+    Each head's tokens are compared with :func:`~refkv.oracle.retention.compare_uneven`:
+    per head where the counts agree, pooled over the layer's heads where they differ (the
+    allocation moved tokens between heads; accepted only as ties of the reference scores).
+    """
+    from .retention import compare_uneven
+
+    hkv, n = positions.shape
+    lengths = np.count_nonzero(positions != -1, axis=1)
+    ref_kept = reference.outputs["kept"]
+    counts = reference.head_budgets or tuple([min(reference.budget, n)] * hkv)
+    desired = [np.asarray(ref_kept[h][:c], dtype=np.int64) for h, c in enumerate(counts)]
+    rows = _rows(kept, hkv)
+    if isinstance(rows, str):
+        result.messages.append("kept: " + rows)
+        return
+    if kept_as == "positions":
+        converted = []
+        for h, row in enumerate(rows):
+            column_of = {int(p): c for c, p in enumerate(positions[h][:lengths[h]])}
+            missing = [int(p) for p in row if int(p) not in column_of]
+            if missing:
+                result.messages.append(f"kept: head {h}: candidate keeps position {missing[0]}, which is not among "
+                                       f"the case's candidates: with kept_as='positions' kept must hold token "
+                                       f"positions (inputs['positions']), not column indices")
+                return
+            converted.append(np.array([column_of[int(p)] for p in row], dtype=np.int64))
+        rows = converted
+    ret = compare_uneven(rows, desired, ref_scores, positions=positions, protected=reference.outputs["protected"],
+                         lengths=lengths, tolerance=tolerance(), rule=rule)
+    if not ret.ok:
+        result.messages.append("kept: " + ret.failure)
+    result.ties = ret.ties
+    if strict_ties and ret.ties:
+        result.messages.extend("kept (strict ties): " + t.describe() for t in ret.ties)
 
 
 def _kept_columns(kept: np.ndarray, positions: np.ndarray, kept_as: str):

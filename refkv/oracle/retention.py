@@ -27,7 +27,7 @@ import numpy as np
 from .arrays import fmt, fmt_pair
 from .status import Outcome, Status
 
-__all__ = ["RetentionResult", "Swap", "compare_kept", "compare_ranking", "compare_retention"]
+__all__ = ["RetentionResult", "Swap", "compare_kept", "compare_ranking", "compare_retention", "compare_uneven"]
 
 EXACT_RULE = "exact tie: equal reference scores"
 
@@ -178,6 +178,71 @@ def compare_retention(actual, desired, scores, *, positions=None, protected=None
         elif status is Status.FAIL:
             result.failure, result.swap, result.head = message, swap, h
             return result
+    return result
+
+
+def compare_uneven(actual: list, desired: list, scores, *, positions, protected, lengths, tolerance=None,
+                   rule: str = "") -> RetentionResult:
+    """Kept sets when the heads keep different counts (uneven budgets, AdaKV).
+
+    Parameters
+    ----------
+    actual, desired : list of ``Hkv`` 1-D int arrays
+        Column indices each head keeps (candidate, reference).
+    scores, positions, protected, tolerance : (Hkv, n) arrays
+        As for :func:`compare_retention`; columns at or past ``lengths[h]`` are empty slots.
+    lengths : (Hkv,) ints
+        Real candidates per head.
+
+    Where every head keeps the reference's count, each head is compared as
+    :func:`compare_retention` does. Where the counts differ but the layer's total agrees,
+    the heads are **pooled** (the allocation is one selection over the whole layer, so a
+    token may move from one head to another): the layer's kept tokens are compared as one
+    set, a swap between heads accepted only within the tie threshold of the two reference
+    scores. A different total fails, and the message states both allocations.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    hkv = scores.shape[0]
+    result = RetentionResult()
+    c_counts, r_counts = [len(a) for a in actual], [len(d) for d in desired]
+    state = (f"candidate keeps {c_counts} per head (total {sum(c_counts)}), "
+             f"the reference {r_counts} (total {sum(r_counts)})")
+    if sum(c_counts) != sum(r_counts):
+        result.failure = f"the layer's total differs: {state}"
+        return result
+    for h in range(hkv):
+        if len(actual[h]) and (actual[h].min() < 0 or actual[h].max() >= lengths[h]):
+            bad = int(actual[h][(actual[h] < 0) | (actual[h] >= lengths[h])][0])
+            result.failure = (f"head {h}: candidate keeps column {bad}, outside the head's {int(lengths[h])} real "
+                              f"candidates [0, {int(lengths[h]) - 1}] (past them are empty slots)")
+            result.head = h
+            return result
+    tol = None if tolerance is None else np.asarray(tolerance, dtype=np.float64)
+    if c_counts == r_counts:
+        for h in range(hkv):
+            n_h = int(lengths[h])
+            status, swap, message = compare_kept(actual[h], desired[h], scores[h, :n_h], positions[h, :n_h],
+                                                 protected[h, :n_h], rule=rule, where=_head_where(h),
+                                                 tolerance=None if tol is None else tol[h, :n_h])
+            if status is Status.TIE:
+                result.ties.append(swap)
+            elif status is Status.FAIL:
+                result.failure, result.swap, result.head = message, swap, h
+                return result
+        return result
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    flat = [np.concatenate([scores[h, :lengths[h]] for h in range(hkv)]),
+            np.concatenate([positions[h, :lengths[h]] for h in range(hkv)]),
+            np.concatenate([protected[h, :lengths[h]] for h in range(hkv)])]
+    status, swap, message = compare_kept(
+        np.concatenate([offsets[h] + actual[h] for h in range(hkv)]),
+        np.concatenate([offsets[h] + desired[h] for h in range(hkv)]), *flat, rule=rule,
+        where=f"heads pooled ({state})",
+        tolerance=None if tol is None else np.concatenate([tol[h, :lengths[h]] for h in range(hkv)]))
+    if status is Status.TIE:
+        result.ties.append(swap)
+    elif status is Status.FAIL:
+        result.failure, result.swap = message, swap
     return result
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cache import EMPTY
 from ..policies import Policy, View
 from ..policies import get as get_policy
 from .schema import (
@@ -44,6 +45,7 @@ __all__ = [
     "case_flags",
     "case_mode",
     "encode_case",
+    "kept_rows",
     "read_vectors",
     "tolerance_for",
     "vectors_document",
@@ -58,6 +60,11 @@ _SIGNAL_INPUTS = {"keys": ("keys", "block_keys"), "values": ("values", "block_va
                   "queries": ("queries",), "attention": ("attention",), "positions": ()}
 _ALL_INPUTS = ("keys", "values", "block_keys", "block_values", "queries", "attention")
 STAGES = ("after-attention", "before-attention")
+#: What a vectors file holding uneven cases (AdaKV) adds to its description.
+UNEVEN_DESCRIPTION = (
+    "A case with head_budgets keeps head_budgets[h] tokens in head h (their sum is layer_total): its kept",
+    "rows end in -1, and -1 in inputs.positions marks an empty slot (a head holding fewer tokens).",
+)
 #: ``"oneshot"``: the whole prompt is one block (full square causal attention over all ``T``
 #: tokens, then one eviction to ``N``: kvpress's regime); ``"block"``: block prompt processing
 #: (the block size is ``sizes.block``). Files without the key are block mode.
@@ -77,18 +84,22 @@ def tolerance_for(dtype, scores: np.ndarray) -> dict:
     return {"rtol": rtol, "atol": rtol * scale}
 
 
-def boundary_gap(scores: np.ndarray, kept: np.ndarray, protected: np.ndarray) -> list[float | None]:
+def boundary_gap(scores: np.ndarray, kept: np.ndarray, protected: np.ndarray,
+                 empty: np.ndarray | None = None) -> list[float | None]:
     """Per KV head: lowest kept unprotected score minus highest evicted score (None if no boundary).
 
     ``0.0`` means an exact tie decided by the tie rule; equal infinities count as a tie.
+    ``kept`` rows may end in ``-1`` (a head keeping fewer, uneven budgets); ``empty`` marks
+    empty slots, which are no candidates.
     """
     gaps: list[float | None] = []
     n = scores.shape[1]
     for h in range(scores.shape[0]):
+        row = np.asarray(kept[h])
         kept_mask = np.zeros(n, dtype=bool)
-        kept_mask[kept[h]] = True
+        kept_mask[row[row >= 0]] = True  # -1 pads a head that keeps fewer (uneven budgets)
         inside = scores[h][kept_mask & ~protected[h]]
-        outside = scores[h][~kept_mask]
+        outside = scores[h][~kept_mask if empty is None else ~kept_mask & ~empty[h]]
         if inside.size == 0 or outside.size == 0:
             gaps.append(None)
             continue
@@ -105,10 +116,11 @@ def case_flags(view: View, scores: np.ndarray, protected: np.ndarray, kept: np.n
     flags.append("gqa" if h > hkv else "mha")
     if len(view.query_positions) == 1:
         flags.append("single-token")
-    if view.n <= kept.shape[1]:
+    lengths = view.head_lengths
+    if np.all(lengths <= (np.asarray(kept) >= 0).sum(axis=1)):
         flags.append("no-eviction")
     finite = np.asarray(scores, dtype=np.float64)
-    for gap, row in zip(boundary_gap(finite, kept, protected), range(hkv)):
+    for gap, row in zip(boundary_gap(finite, kept, protected, view.positions == EMPTY), range(hkv)):
         if gap is None:
             continue
         scale = np.abs(finite[row][np.isfinite(finite[row])])
@@ -118,9 +130,10 @@ def case_flags(view: View, scores: np.ndarray, protected: np.ndarray, kept: np.n
         elif 0.0 < gap <= 100 * threshold and "near-tie" not in flags:
             flags.append("near-tie")
     keys = np.concatenate([view.keys, view.block_keys], axis=1) if stage == "before-attention" else view.keys
-    if keys.size and np.any(np.all(keys == 0, axis=-1)):
+    real = [keys[i, :int(lengths[i]) + (keys.shape[1] - view.n)] for i in range(hkv)]  # empty slots are no keys
+    if any(k.size and np.any(np.all(k == 0, axis=-1)) for k in real):
         flags.append("zero-norm-key")
-    if any(len(np.unique(keys[i], axis=0)) < keys.shape[1] for i in range(hkv)):
+    if any(len(np.unique(k, axis=0)) < k.shape[0] for k in real):
         flags.append("duplicate-keys")
     if max_abs_logit(view.queries, keys) > 30.0:
         flags.append("huge-logits")
@@ -133,17 +146,51 @@ def case_flags(view: View, scores: np.ndarray, protected: np.ndarray, kept: np.n
     return flags
 
 
+def kept_rows(kept) -> tuple[np.ndarray, list[int] | None]:
+    """A policy's ``keep_indices`` as one (Hkv, m) int64 array and the per-head counts.
+
+    An even choice (an array, or rows of one length) is returned as it is with ``None``;
+    uneven rows (AdaKV) become an array as wide as the longest, each shorter row padded
+    with ``-1``, and the list of the rows' lengths (the case's ``head_budgets``).
+    """
+    if not isinstance(kept, (list, tuple)):
+        return np.asarray(kept, dtype=np.int64), None
+    rows = [np.asarray(row, dtype=np.int64) for row in kept]
+    counts = [len(row) for row in rows]
+    if len(set(counts)) <= 1:
+        return (np.stack(rows) if rows else np.zeros((0, 0), dtype=np.int64)), None
+    out = np.full((len(rows), max(counts)), -1, dtype=np.int64)
+    for h, row in enumerate(rows):
+        out[h, :len(row)] = row
+    return out, counts
+
+
 def _outputs(policy: Policy, view: View) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     scores = np.asarray(policy.score(view))
     protected = np.asarray(policy.protected(view), dtype=bool)
-    kept = np.asarray(policy.keep_indices(view), dtype=np.int64)
+    kept, _ = kept_rows(policy.keep_indices(view))
     return scores, protected, kept
+
+
+def _file_positions(positions: np.ndarray) -> np.ndarray:
+    """Positions as a file writes them: ``-1`` for an empty slot (:data:`refkv.cache.EMPTY` in memory)."""
+    positions = np.array(positions)
+    positions[positions == EMPTY] = -1
+    return positions
+
+
+def _last_columns(view: View, b: int) -> np.ndarray:
+    """Per head, the columns of the block after attention: the last ``b`` of its real tokens."""
+    lengths = view.head_lengths
+    return np.stack([np.arange(length - b, length) for length in lengths]) if b else np.zeros(
+        (view.n_kv_heads, 0), dtype=np.int64)
 
 
 def _rebuilt(view: View, stored: set[str], stage: str, b: int) -> View:
     """The view a reader rebuilds from a case storing only ``stored`` (via the JSON encoding)."""
     inputs = {name: decode_array(encode_array(getattr(view, name)), name)
-              for name in ("positions", "query_positions", *sorted(stored))}
+              for name in ("query_positions", *sorted(stored))}
+    inputs["positions"] = decode_array(encode_array(_file_positions(view.positions)), "positions")
     fields = {name: decode_array(encode_array(a), name) for name, a in view.fields.items()}
     case = VectorCase(id=0, comment="", flags=(), params={}, dtype=view.keys.dtype.name, stage=stage,
                       layer=view.layer, n_layers=view.n_layers, budget=view.keep,
@@ -215,10 +262,13 @@ def encode_case(policy: Policy, view: View, *, case_id: int, comment: str, extra
         raise ValueError("view.keep must be the number of tokens the eviction keeps, got None")
     full = _outputs(policy, view)
     scores, protected, kept = full
+    _, head_budgets = kept_rows(policy.keep_indices(view))
     b = len(view.query_positions)
     stage = "before-attention" if policy.evict_before_attention else "after-attention"
-    if stage == "after-attention" and not np.array_equal(view.keys[:, -b:], view.block_keys):
-        raise ValueError("after attention the block must be the last B columns of the cache")
+    if stage == "after-attention" and not np.array_equal(
+            np.take_along_axis(view.keys, _last_columns(view, b)[..., None], axis=1), view.block_keys):
+        raise ValueError("after attention the block must be the last B columns of the cache (of each head's "
+                         "tokens)")
     seen = case_mode(view, stage)
     if mode is None:
         mode = seen
@@ -248,11 +298,13 @@ def encode_case(policy: Policy, view: View, *, case_id: int, comment: str, extra
     if tolerance is None:
         tolerance = tolerance_for(view.keys.dtype, scores)
     flags = [*case_flags(view, scores, protected, kept, tolerance, stage), *extra_flags]
-    inputs = {"positions": encode_array(view.positions), "query_positions": encode_array(view.query_positions)}
+    inputs = {"positions": encode_array(_file_positions(view.positions)),
+              "query_positions": encode_array(view.query_positions)}
     for name in _ALL_INPUTS:
         if name in stored:
             inputs[name] = encode_array(getattr(view, name))
     inputs["fields"] = {name: encode_array(array) for name, array in sorted(view.fields.items())}
+    uneven = {} if head_budgets is None else {"head_budgets": head_budgets, "layer_total": int(sum(head_budgets))}
     return EncodedCase({
         "id": case_id,
         "comment": comment,
@@ -263,6 +315,7 @@ def encode_case(policy: Policy, view: View, *, case_id: int, comment: str, extra
         "layer": view.layer,
         "n_layers": view.n_layers,
         "budget": int(view.keep),
+        **uneven,
         "sizes": {"n_heads": view.queries.shape[0], "n_kv_heads": view.n_kv_heads, "d_head": view.keys.shape[2],
                   "n": view.n, "block": b},
         "tolerance": {"rtol": float(tolerance["rtol"]), "atol": float(tolerance["atol"])},
@@ -339,6 +392,7 @@ def vectors_document(policy_name: str, groups: list[tuple[dict, list[dict]]]) ->
             "kept = policy.keep_indices(view, budget): column indices into the candidates, increasing.",
             "Compare scores with |actual - expected| <= atol + rtol * |expected|; kept tokens may differ",
             "from the expected ones only where the two tokens' expected scores are within that tolerance.",
+            *UNEVEN_DESCRIPTION * any("head_budgets" in case for _, cases in groups for case in cases),
         ],
         "notes": {flag: FLAGS[flag] for flag in used},
         "number_of_cases": n_cases,
@@ -373,6 +427,11 @@ class VectorCase:
         Per-token state.
     outputs : dict of str to ndarray
         ``scores``, ``protected``, ``kept`` (a candidate file may hold only ``kept``).
+    head_budgets : tuple of int or None
+        Tokens each KV head keeps, when the heads keep different counts (uneven budgets,
+        AdaKV); ``kept`` is then as wide as the largest and each shorter row ends in ``-1``,
+        and ``inputs["positions"]`` holds ``-1`` in a head's empty slots. ``None``: every
+        head keeps ``min(budget, n)``.
     """
 
     id: int
@@ -391,6 +450,7 @@ class VectorCase:
     outputs: dict = field(repr=False)
     policy_name: str = ""
     mode: str = "block"
+    head_budgets: tuple | None = None
 
     def policy(self) -> Policy:
         """The policy object this case was generated with."""
@@ -411,12 +471,18 @@ class VectorCase:
             return self.inputs[name] if name in self.inputs else np.full(shape, np.nan, dtype=dtype)
 
         keys, values = get("keys", (hkv, n, d)), get("values", (hkv, n, d))
+        positions = self.inputs["positions"]
+        if (positions == -1).any():  # empty slots: a file's -1 is the cache's EMPTY
+            positions = np.where(positions == -1, EMPTY, positions)
         if self.stage == "after-attention":
-            block_keys, block_values = keys[:, n - b:], values[:, n - b:]
+            # the block is each head's last b real tokens (the last b columns when no slot is empty)
+            last = np.count_nonzero(positions != EMPTY, axis=1)[:, None] - b + np.arange(b)  # (Hkv, b)
+            block_keys = np.take_along_axis(keys, last[..., None], axis=1)
+            block_values = np.take_along_axis(values, last[..., None], axis=1)
         else:
             block_keys, block_values = get("block_keys", (hkv, b, d)), get("block_values", (hkv, b, d))
         return View(layer=self.layer, n_layers=self.n_layers, keys=keys, values=values,
-                    positions=self.inputs["positions"], fields=dict(self.fields),
+                    positions=positions, fields=dict(self.fields),
                     queries=get("queries", (s["n_heads"], b, d)), query_positions=self.inputs["query_positions"],
                     block_keys=block_keys, block_values=block_values, attention=self.inputs.get("attention"),
                     budget=self.budget + (b if self.stage == "before-attention" else 0), keep=self.budget,
@@ -521,7 +587,17 @@ def _read_case(obj: dict, params: dict, policy: str, where: str, candidate: bool
         if fields[name].shape[:2] != (hkv, n):
             raise ValueError(f"{where}: shape mismatch: inputs.fields.{name} must start with ({hkv}, {n}), "
                              f"got {fields[name].shape}")
-    m = min(budget, n)
+    head_budgets = None
+    if "head_budgets" in obj:
+        head_budgets = obj["head_budgets"]
+        if (not isinstance(head_budgets, list) or len(head_budgets) != hkv
+                or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= n for c in head_budgets)):
+            raise ValueError(f"{where}: head_budgets must be {hkv} integers in [0, {n}], got {head_budgets!r}")
+        total = _int(obj, "layer_total", where)
+        if total != sum(head_budgets):
+            raise ValueError(f"{where}: layer_total is {total} but head_budgets sum to {sum(head_budgets)}")
+        head_budgets = tuple(head_budgets)
+    m = min(budget, n) if head_budgets is None else max(head_budgets)
     outputs = {
         "scores": decode_array(require(outputs_obj, "scores", f"{where}: outputs"), f"{where}: outputs.scores",
                                shape=(hkv, n)),
@@ -533,12 +609,20 @@ def _read_case(obj: dict, params: dict, policy: str, where: str, candidate: bool
     if outputs["protected"].dtype != bool:
         raise ValueError(f"{where}: outputs.protected must be bool, got {outputs['protected'].dtype}")
     kept = outputs["kept"]
-    if kept.dtype.kind not in "iu" or (kept.size and (kept.min() < 0 or kept.max() >= n)):
-        raise ValueError(f"{where}: outputs.kept must be integer column indices in [0, {n - 1}]")
+    if head_budgets is None:
+        if kept.dtype.kind not in "iu" or (kept.size and (kept.min() < 0 or kept.max() >= n)):
+            raise ValueError(f"{where}: outputs.kept must be integer column indices in [0, {n - 1}]")
+    else:
+        for h, count in enumerate(head_budgets):
+            row = kept[h]
+            if kept.dtype.kind not in "iu" or (count and (row[:count].min() < 0 or row[:count].max() >= n)) or (
+                    row[count:] != -1).any():
+                raise ValueError(f"{where}: outputs.kept row {h} must hold head_budgets[{h}] = {count} column indices "
+                                 f"in [0, {n - 1}], then -1")
     return VectorCase(id=case_id, comment=obj.get("comment", ""), flags=tuple(require(obj, "flags", where)),
                       params=params, dtype=dtype, stage=stage, layer=layer, n_layers=n_layers, budget=budget,
                       sizes=sizes, tolerance=tolerance, inputs=inputs, fields=fields, outputs=outputs,
-                      policy_name=policy, mode=mode)
+                      policy_name=policy, mode=mode, head_budgets=head_budgets)
 
 
 def as_vector_case(case, policy: Policy | None = None) -> VectorCase:

@@ -7,6 +7,7 @@ Sink(sink=4)
 
 # Importing a policy module registers its policies; one line per module.
 from . import (  # noqa: F401
+    adakv,
     caote,
     expected_attention,
     full,
@@ -15,6 +16,7 @@ from . import (  # noqa: F401
     keydiff,
     knorm,
     mat,
+    pyramidkv,
     scissorhands,
     sink,
     snapkv,
@@ -32,7 +34,8 @@ from .base import (
     recent_tokens,
     register,
     select,
+    select_heads,
 )
 
 __all__ = ["SIGNALS", "Policy", "View", "available", "check_int", "first_tokens", "get",
-           "policy_class", "recent_tokens", "register", "select"]
+           "policy_class", "recent_tokens", "register", "select", "select_heads"]

@@ -11,7 +11,13 @@ the class attributes and overrides ``score`` (and whatever else it needs):
 * ``score(view) -> (Hkv, n)``: higher means keep.
 * ``protected(view) -> (Hkv, n) bool``: tokens that must stay (sinks, recent window).
 * ``keep_indices(view) -> (Hkv, view.keep)``: the tokens kept; :func:`select` of the two
-  above (not overridden by the policies here).
+  above (not overridden by the policies here). With uneven per-head budgets
+  (``head_budgets``) it returns one row per head instead (:func:`select_heads`).
+* ``layer_budget(budget, layer, n_layers)``: the per-head budget of one layer (default:
+  ``budget`` in every layer; PyramidKV's schedule).
+* ``head_budgets(view) -> (Hkv,)``: how many tokens each KV head keeps at this eviction
+  (default: ``view.keep`` each, or all a head holds; AdaKV allocates the layer's total
+  ``view.keep * Hkv`` across its heads).
 * ``fields(config)`` and ``observe(view) -> {name: array}``: per-token state kept in
   the cache (see :mod:`refkv.cache`), updated after every attention call.
 * ``check(budget, config)``: raise ValueError if the protected set cannot fit.
@@ -23,7 +29,13 @@ Conventions shared by every policy (decided once, here):
 * **Tie rule.** Equal scores keep the more recent token (larger position). The
   selection sorts on the pair (score, position) with :func:`numpy.lexsort`, so it does
   not depend on how a sort orders equal floats.
-* **Budget.** ``N`` is per layer and per KV head; protected tokens count inside it.
+* **Budget.** ``N`` is per layer and per KV head; protected tokens count inside it. A
+  policy may move budget between layers (``layer_budget``) or between the KV heads of a
+  layer (``head_budgets``); the total is stated: a layer's heads keep ``keep * Hkv``
+  tokens together, and the layers' budgets sum to ``N * L``.
+* **Empty slots.** A cache whose heads hold different counts pads the shorter heads with
+  empty slots at position :data:`refkv.cache.EMPTY` (see :mod:`refkv.cache`); only a policy
+  with uneven head budgets ever sees one, and :func:`select_heads` never keeps one.
 * **GQA.** Attention-based scores average the weights of the query heads that share a
   KV head (KeyDiff App. B.2): :meth:`View.attention_by_kv_head`.
 """
@@ -36,7 +48,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..cache import FieldSpec
+from ..cache import EMPTY, FieldSpec
 from ..model.config import ModelConfig
 from ..validation import check_int  # re-exported: policies import it from here
 
@@ -52,6 +64,7 @@ __all__ = [
     "recent_tokens",
     "register",
     "select",
+    "select_heads",
 ]
 
 #: Signals a policy may declare in ``needs``.
@@ -120,6 +133,11 @@ class View:
         return self.keys.shape[0]
 
     @property
+    def head_lengths(self) -> np.ndarray:
+        """(Hkv,) int64: real candidates per head (``n`` each unless the cache has empty slots)."""
+        return np.count_nonzero(self.positions != EMPTY, axis=1).astype(np.int64)
+
+    @property
     def group_size(self) -> int:
         """Query heads per KV head."""
         return self.queries.shape[0] // self.keys.shape[0]
@@ -176,7 +194,8 @@ class Policy:
     Methods
     -------
     check(budget, config), max_block(budget, config), fields(config), observe(view),
-    score(view), protected(view), keep_indices(view), params(), describe()
+    score(view), protected(view), keep_indices(view), layer_budget(budget, layer, n_layers),
+    head_budgets(view), params(), describe()
         See each method; only ``score`` has no default.
     """
 
@@ -226,10 +245,30 @@ class Policy:
         """(Hkv, n) bool mask of tokens that must stay (default: none)."""
         return np.zeros(view.positions.shape, dtype=bool)
 
-    def keep_indices(self, view: View) -> np.ndarray:
-        """The ``view.keep`` tokens to keep per head: :func:`select` of this policy's scores
-        and protected set, (Hkv, min(view.keep, n)) column indices."""
-        return select(self.score(view), view.positions, view.keep, self.protected(view))
+    def layer_budget(self, budget: int, layer: int, n_layers: int) -> int:
+        """Tokens per KV head that layer ``layer`` (of ``n_layers``) may hold under the engine's
+        budget ``N`` (default: ``N``). The layers' budgets must sum to ``N * n_layers``."""
+        return budget
+
+    def head_budgets(self, view: View) -> np.ndarray:
+        """(Hkv,) int64: tokens each KV head keeps at this eviction (default: ``view.keep``
+        each, or all a head holds if fewer). A policy with uneven budgets keeps the layer's
+        total: the counts sum to ``view.keep * Hkv`` (or to every real token, if fewer)."""
+        return np.minimum(view.keep, view.head_lengths)
+
+    def keep_indices(self, view: View):
+        """The tokens to keep per head: :func:`select` of this policy's scores and protected set.
+
+        Returns
+        -------
+        (Hkv, min(view.keep, n)) int64 column indices when every head keeps the same count
+        (every uniform policy), else a list of ``Hkv`` 1-D arrays, head ``h`` keeping
+        ``head_budgets(view)[h]`` tokens (:func:`select_heads`).
+        """
+        budgets = self.head_budgets(view)
+        if np.all(budgets == min(view.keep, view.n)):
+            return select(self.score(view), view.positions, view.keep, self.protected(view))
+        return select_heads(self.score(view), view.positions, budgets, self.protected(view))
 
     # -- description -----------------------------------------------------------------
     def params(self) -> dict:
@@ -286,6 +325,38 @@ def select(scores: np.ndarray, positions: np.ndarray, budget: int,
         # all descending (hence the negations; -0.0 == 0.0 so signed zeros tie).
         order = np.lexsort((-positions[h], -scores[h], ~protected[h]))
         kept[h] = np.sort(order[:m])
+    return kept
+
+
+def select_heads(scores: np.ndarray, positions: np.ndarray, budgets, protected: np.ndarray | None = None
+                 ) -> list[np.ndarray]:
+    """:func:`select` with a budget per head: head ``h`` keeps ``budgets[h]`` of its real tokens.
+
+    Parameters
+    ----------
+    scores, positions, protected
+        As for :func:`select`; empty slots (position :data:`refkv.cache.EMPTY`, after a head's
+        real tokens) are never candidates.
+    budgets : (Hkv,) ints
+        ``0 <= budgets[h]``; a head keeps ``min(budgets[h], its real tokens)``.
+
+    Returns
+    -------
+    list of ``Hkv`` int64 arrays of column indices, increasing (ragged).
+    """
+    scores, positions = np.asarray(scores), np.asarray(positions)
+    budgets = np.asarray(budgets)
+    if budgets.shape != (positions.shape[0],) or budgets.dtype.kind not in "iu":
+        raise ValueError(f"budgets must be {positions.shape[0]} integers (one per KV head), got {budgets!r}")
+    if scores.shape != positions.shape:
+        raise ValueError(f"scores must have shape {positions.shape} (like positions), got {scores.shape}")
+    if protected is None:
+        protected = np.zeros(scores.shape, dtype=bool)
+    kept = []
+    for h, budget in enumerate(budgets):
+        real = int(np.count_nonzero(positions[h] != EMPTY))  # real tokens first, then empty slots
+        kept.append(select(scores[h:h + 1, :real], positions[h:h + 1, :real], int(budget),
+                           protected[h:h + 1, :real])[0])
     return kept
 
 

@@ -1,0 +1,200 @@
+"""``pyramidkv``: PyramidKV (Cai et al., 2024), a pyramid of per-layer budgets.
+
+PyramidKV observes that attention funnels from broad in the low layers to a few tokens
+in the high ones, and gives the low layers more cache and the high layers less, in an
+arithmetic sequence with the same total as a uniform budget. With ``L`` layers, an
+average of ``M`` tokens per head to share and the steepness ``beta``,
+
+.. math:: k^{L-1} = \\frac{M}{\\beta}, \\qquad k^{0} = 2M - k^{L-1}, \\qquad
+          k^{l} = k^{0} - \\frac{k^{0} - k^{L-1}}{L - 1}\\, l, \\qquad
+          \\sum_{l=0}^{L-1} k^{l} = L M,
+
+and each layer selects its tokens by SnapKV's pooled attention of the last ``w`` queries,
+the ``w`` most recent tokens always kept. In the paper's code the schedule shares what the
+window leaves, ``M = N - w`` (``max_capacity_prompt - window_size``), and every layer keeps
+its window on top: layer ``l`` holds ``w + k^l`` tokens per head, ``N`` on average.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from ..cache import FieldSpec
+from ..model.config import ModelConfig
+from ..validation import check_choice, check_float, check_int
+from .adakv import build_base
+from .base import Policy, View, register
+
+__all__ = ["FORMS", "PyramidKV", "kvpress_schedule", "pyramid_schedule"]
+
+#: ``"paper"``: :func:`pyramid_schedule` of ``N - w`` plus the window, summing to ``N * L``
+#: exactly; ``"kvpress"``: :func:`kvpress_schedule`, kvpress's ``PyramidKVPress``.
+FORMS = ("paper", "kvpress")
+
+
+def pyramid_schedule(total: int, n_layers: int, beta: float) -> list[int]:
+    """PyramidKV's arithmetic schedule of an average ``total`` tokens per layer, in integers.
+
+    The real budgets :math:`k^l` of the module docstring (with ``M = total``), computed
+    exactly (fractions), become integers that keep the sum and the order: every layer gets
+    :math:`\\lfloor k^l \\rfloor` and the :math:`LM - \\sum_l \\lfloor k^l \\rfloor` tokens
+    left (fewer than ``L``) go one each to the lowest layers, the ones with the most.
+
+    Parameters
+    ----------
+    total : int
+        ``M >= 0``: the average per layer.
+    n_layers : int
+        ``L >= 1``; one layer gets ``M``.
+    beta : float
+        ``>= 1``; ``beta = 1`` is uniform.
+
+    Returns
+    -------
+    list of ``L`` ints, non-increasing, summing to ``L * M``.
+    """
+    total = check_int("total", total, 0)
+    n_layers = check_int("n_layers", n_layers, 1)
+    beta = check_float("beta", beta, 1.0)
+    if n_layers == 1:
+        return [total]
+    top = Fraction(total) / Fraction(beta)
+    bottom = 2 * Fraction(total) - top
+    real = [bottom - (bottom - top) * layer / (n_layers - 1) for layer in range(n_layers)]
+    floors = [int(np.floor(k)) for k in real]  # Fraction -> exact floor
+    left = n_layers * total - sum(floors)
+    return [f + (1 if layer < left else 0) for layer, f in enumerate(floors)]
+
+
+def kvpress_schedule(budget: int, n_layers: int, beta: float, window: int) -> list[int]:
+    """kvpress's ``PyramidKVPress.get_layer_budget`` for a prompt long enough not to cap it.
+
+    ``min = N / beta``, ``max = 2N - min`` (the window inside the budget), layer ``l`` keeps
+    ``round(max - l (max - min) / (L - 1))`` (Python's ``round``, half to even), and every
+    layer falls back to ``N`` unless ``max >= min >= window``. One layer keeps ``round(max)``.
+    kvpress also caps ``max`` at ``q_len - window`` for short prompts, which a budget
+    given in tokens has no use for (not reproduced).
+    """
+    budget = check_int("budget", budget, 1)
+    n_layers = check_int("n_layers", n_layers, 1)
+    beta = check_float("beta", beta, 1.0)
+    low = budget / beta
+    high = 2 * budget - low
+    if not high >= low >= window:
+        return [budget] * n_layers
+    steps = (high - low) / (n_layers - 1) if n_layers > 1 else 0.0
+    return [round(high - layer * steps) for layer in range(n_layers)]
+
+
+@register
+@dataclass(frozen=True)
+class PyramidKV(Policy):
+    """PyramidKV (Cai et al., 2024, "PyramidKV: Dynamic KV Cache Compression based on
+    Pyramidal Information Funneling"): per-layer budgets in a pyramid, over a base score.
+
+    Layer ``l`` of ``L`` keeps ``w + k^l`` tokens per KV head (``form="paper"``,
+    :func:`pyramid_schedule` of ``N - w``) or kvpress's :func:`kvpress_schedule`; within a
+    layer every head keeps the same count, chosen by the base's scores and protected set.
+    ``w`` is the base's observation window (SnapKV's ``window``; 0 for a base without one).
+
+    Parameters
+    ----------
+    base : str or Policy, default "snapkv"
+        The scorer (SnapKV's pooled window attention is the paper's); any base that evicts
+        after attention, as kvpress allows.
+    beta : float, default 20
+        The steepness, ``>= 1``: the top layer gets ``1/beta`` of the average (the paper's
+        and kvpress's default, 20).
+    form : {"paper", "kvpress"}, default "paper"
+        See :data:`FORMS`.
+    base_params : dict, optional
+        Parameters of the base when it is a name.
+
+    Notes
+    -----
+    * **Total**: with ``form="paper"`` the layers' budgets sum to exactly ``N * L`` and are
+      non-increasing in the layer (integers by :func:`pyramid_schedule`); kvpress rounds each
+      layer on its own, so its total may miss ``N * L`` by up to ``L / 2``, and a one-layer
+      model keeps ``2N - N/beta``.
+    * **Window**: the paper's code reserves the window in every layer and schedules the rest
+      (``M = N - w``); kvpress schedules the whole budget with the window inside, and falls
+      back to ``N`` in every layer when the smallest layer would not hold the window.
+    * **Budget check**: the base is checked at ``N``; a layer's budget may be as small as the
+      window (the top layer then keeps only its window, as in the paper's code).
+    * **Per-token state** and protected tokens are the base's; ``view.budget`` and ``view.keep``
+      are the layer's own.
+    """
+
+    name = "pyramidkv"
+    summary = "PyramidKV: per-layer budgets in an arithmetic pyramid (beta) summing to N x L, over a base score"
+    paper = "Cai et al. 2024, PyramidKV, the layer schedule with beta = 20 (base: snapkv by default)"
+    label = "PyramidKV"
+    citation = "PyramidKV (Cai et al. 2024), meta-policy"
+    score_rule = "a base's scores (SnapKV's by default); per-layer budgets in a pyramid"
+    protects = "the base's"
+    implements = "PyramidKV: the layer schedule (beta), total N x L, over any base; kvpress's PyramidKVPress as form"
+    table_order = 120
+    experiment_specs = ("pyramidkv:base=snapkv",)
+    variants = ({"base": "snapkv", "base_params": {"window": 4, "kernel": 3}, "beta": 4},
+                {"base": "tova", "beta": 2},
+                {"base": "snapkv", "base_params": {"window": 4, "kernel": 3}, "form": "kvpress", "beta": 4})
+    needs = frozenset({"attention"})
+
+    base: Any = "snapkv"
+    beta: float = 20
+    form: str = "paper"
+    base_params: Any = None
+
+    def __post_init__(self):
+        check_float("beta", self.beta, 1.0)
+        check_choice("form", self.form, FORMS)
+        base = build_base(self.base, self.base_params, "pyramidkv", refuse=("adakv", "pyramidkv"))
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "needs", frozenset(base.needs))
+
+    @property
+    def base_policy(self) -> Policy:
+        return self._base
+
+    @property
+    def window(self) -> int:
+        """``w``: the base's observation window (0 if it has none)."""
+        return int(getattr(self._base, "window", 0))
+
+    def params(self) -> dict:
+        if isinstance(self.base, Policy):
+            return {"base": self._base.name, "beta": self.beta, "form": self.form, "base_params": self._base.params()}
+        return {"base": self.base, "beta": self.beta, "form": self.form, "base_params": self.base_params}
+
+    def layer_budgets(self, budget: int, n_layers: int) -> list[int]:
+        """Every layer's budget per KV head under the engine's ``N = budget``."""
+        if self.form == "kvpress":
+            return kvpress_schedule(budget, n_layers, self.beta, self.window)
+        w = min(self.window, budget)
+        return [w + k for k in pyramid_schedule(budget - w, n_layers, self.beta)]
+
+    def layer_budget(self, budget: int, layer: int, n_layers: int) -> int:
+        return self.layer_budgets(budget, n_layers)[layer]
+
+    def check(self, budget: int, config: ModelConfig) -> None:
+        self._base.check(budget, config)
+        budgets = self.layer_budgets(budget, config.n_layers)
+        if min(budgets) < 1:
+            raise ValueError(f"budget must leave every layer at least one token under beta={self.beta}: the "
+                             f"schedule for budget={budget} is {budgets}")
+
+    def fields(self, config: ModelConfig) -> dict[str, FieldSpec]:
+        return self._base.fields(config)
+
+    def observe(self, view: View) -> dict[str, np.ndarray]:
+        return self._base.observe(view)
+
+    def score(self, view: View) -> np.ndarray:
+        return self._base.score(view)
+
+    def protected(self, view: View) -> np.ndarray:
+        return self._base.protected(view)

@@ -1,0 +1,243 @@
+"""Ada-KV (Feng et al. 2024, Algorithm 1 with the safeguard): head-adaptive budgets over a base score."""
+
+import doctest
+import pathlib
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refkv.attention import attend
+from refkv.cache import EMPTY, LayerCache
+from refkv.engine import Engine
+from refkv.model import TINY
+from refkv.oracle.synthetic import random_tokens, replay
+from refkv.policies import get
+from refkv.policies.adakv import AdaKV, allocate, head_view, safeguard
+
+PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "policies" / "adakv.rst"
+
+
+# -- an independent recomputation: Python sorts over (head, column) pairs --------------------------
+def expected_kept(scores, positions, protected, keep, alpha, form="paper"):
+    """Per head, the set of kept columns: forced tokens, then the joint top of the layer."""
+    hkv, n = scores.shape
+    if form == "paper":
+        sums = scores.sum(axis=1, keepdims=True)
+        scores = np.where(sums > 0, scores / np.where(sums > 0, sums, 1), 1.0 / n)
+    floor = int(alpha * keep + 1e-12)
+    if form == "kvpress" and alpha > 0 and keep > 0:
+        floor = max(floor, 1)
+    forced = set()
+    for h in range(hkv):
+        own = sorted(range(n), key=lambda c: (bool(protected[h, c]), scores[h, c], positions[h, c]), reverse=True)
+        count = max(floor, int(protected[h].sum()))
+        forced |= {(h, c) for c in own[:count]}
+    pairs = sorted(((h, c) for h in range(hkv) for c in range(n)),
+                   key=lambda hc: ((hc in forced), scores[hc], positions[hc], -hc[0]), reverse=True)
+    chosen = pairs[:keep * hkv]
+    return [sorted(c for h2, c in chosen if h2 == h) for h in range(hkv)]
+
+
+def as_sets(kept):
+    return [sorted(np.asarray(row).tolist()) for row in kept]
+
+
+def one_shot_view(policy, seed, t=20, budget=6, h=4, hkv=2, d=8, layer=0, n_layers=1):
+    tokens = random_tokens(np.random.default_rng(seed), h, hkv, d, t)
+    return replay(policy, tokens, budget=budget, layer=layer, n_layers=n_layers)
+
+
+@pytest.mark.parametrize("spec", [dict(base="tova"), dict(base="h2o", alpha=0.5),
+                                  dict(base="snapkv", base_params={"window": 2, "kernel": 3}),
+                                  dict(base="keydiff", form="kvpress"), dict(base="tova", form="kvpress", alpha=0.0)])
+@pytest.mark.parametrize("seed", range(4))
+def test_kept_set_is_the_joint_top_with_the_floor(spec, seed):
+    policy = get("adakv", **spec)
+    view = one_shot_view(policy, seed)
+    base = policy.base_policy
+    want = expected_kept(np.asarray(base.score(view), dtype=np.float64), view.positions, base.protected(view),
+                         view.keep, policy.alpha, policy.form)
+    got = as_sets(policy.keep_indices(view))
+    assert got == want
+    assert sum(len(row) for row in got) == view.keep * view.n_kv_heads
+
+
+@given(st.data())
+@settings(max_examples=80, deadline=None)
+def test_allocate_properties(data):
+    hkv = data.draw(st.integers(1, 4))
+    n = data.draw(st.integers(1, 9))
+    lengths = np.array(data.draw(st.lists(st.integers(0, n), min_size=hkv, max_size=hkv)))
+    lengths[0] = n  # the widest head has no empty slot
+    scores = np.array(data.draw(st.lists(st.integers(0, 5), min_size=hkv * n, max_size=hkv * n)),
+                      dtype=float).reshape(hkv, n)  # small integers: many ties
+    positions = np.tile(np.arange(n), (hkv, 1))
+    keep = data.draw(st.integers(0, n))
+    floor = data.draw(st.integers(0, keep))
+    protected = np.zeros((hkv, n), dtype=bool)
+    counts = allocate(scores, positions, protected, lengths, keep * hkv, floor)
+    assert counts.sum() == min(keep * hkv, lengths.sum())
+    assert np.all(counts <= lengths)
+    assert np.all(counts >= np.minimum(floor, lengths))
+    # every kept (non-forced) token scores at least as high as every evicted one of another head
+    kept_min = [scores[h, :lengths[h]][np.argsort(-scores[h, :lengths[h]], kind="stable")][:c] for h, c in
+                enumerate(counts)]
+    for h in range(hkv):
+        evicted = np.sort(scores[h, :lengths[h]])[::-1][counts[h]:]
+        for g in range(hkv):
+            extra = kept_min[g][min(floor, counts[g]):]
+            if evicted.size and extra.size:
+                assert extra.min() >= evicted.max()
+
+
+@given(st.integers(1, 4), st.integers(2, 10), st.integers(0, 2**16))
+@settings(max_examples=40, deadline=None)
+def test_identical_heads_reduce_to_uniform(hkv, n, seed):
+    rng = np.random.default_rng(seed)
+    row = rng.integers(0, 4, n).astype(float)
+    scores = np.tile(row, (hkv, 1))
+    keep = int(rng.integers(1, n + 1))
+    counts = allocate(scores, np.tile(np.arange(n), (hkv, 1)), np.zeros((hkv, n), bool), np.full(hkv, n),
+                      keep * hkv, 0)
+    np.testing.assert_array_equal(counts, np.full(hkv, keep))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_identical_heads_keep_what_the_base_keeps(seed):
+    tokens = random_tokens(np.random.default_rng(seed), 4, 2, 8, 16)
+    same = type(tokens)(queries=np.concatenate([tokens.queries[:2]] * 2), keys=np.stack([tokens.keys[0]] * 2),
+                        values=np.stack([tokens.values[0]] * 2))
+    policy = get("adakv", base="tova")
+    view = replay(policy, same, budget=5)
+    np.testing.assert_array_equal(policy.keep_indices(view), policy.base_policy.keep_indices(view))
+
+
+def test_alpha_one_is_uniform():
+    policy = get("adakv", base="tova", alpha=1.0)
+    view = one_shot_view(policy, 7)
+    np.testing.assert_array_equal(policy.keep_indices(view), policy.base_policy.keep_indices(view))
+
+
+def test_safeguard():
+    assert safeguard(10, 0.2) == 2 and safeguard(4, 0.2) == 0 and safeguard(4, 0.2, "kvpress") == 1
+    assert safeguard(0, 0.2, "kvpress") == 0 and safeguard(4, 0.0, "kvpress") == 0 and safeguard(7, 1.0) == 7
+
+
+def test_kvpress_form_matches_adakvpress():
+    """kvpress's AdaKVPress, given the same scores, masks exactly the tokens refkv evicts."""
+    torch = pytest.importorskip("torch")
+    from kvpress.presses.adakv_press import AdaKVPress
+    from kvpress.presses.scorer_press import ScorerPress
+
+    for seed in range(5):
+        policy = get("adakv", base="tova", form="kvpress")
+        view = one_shot_view(policy, seed, t=32, budget=8)  # a ratio exact in binary
+        scores = np.asarray(policy.base_policy.score(view), dtype=np.float64)
+
+        class Given(ScorerPress):
+            given = torch.tensor(scores)[None]
+
+            def score(self, module, hidden_states, keys, values, attentions, kwargs):
+                return self.given.clone()
+
+        press = AdaKVPress(Given(compression_ratio=1 - view.keep / view.n))
+        module = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
+        press.compress(module, None, torch.zeros(1, 2, view.n, 8), torch.zeros(1, 2, view.n, 8), None, {})
+        _, heads, columns = module.masked_key_indices
+        masked = [sorted(columns[heads == h].tolist()) for h in range(2)]
+        kept = as_sets(policy.keep_indices(view))
+        assert [sorted(set(range(view.n)) - set(k)) for k in kept] == masked
+
+
+# -- the engine with uneven heads ---------------------------------------------------------------
+def test_engine_keeps_the_layer_total_and_empty_slots_change_nothing(tiny64):
+    policy = get("adakv", base="h2o", base_params={"recent": 2})  # stateful, with room to move
+    engine = Engine(tiny64, policy, 12, record=True)
+    prompt = np.random.default_rng(0).integers(0, TINY.vocab_size, 60)
+    engine.prefill(prompt, 5)
+    assert any(cache.uneven for cache in engine.caches), "expected some layer to allocate unevenly"
+    for cache in engine.caches:
+        assert cache.total == 12 * cache.n_kv_heads
+        for row, length in zip(cache.positions, cache.head_lengths):
+            assert np.all(row[length:] == EMPTY) and np.all(np.diff(row[:length]) > 0)
+    # attention over a cache with empty slots == each head over its real tokens alone
+    cache = next(c for c in engine.caches if c.uneven)
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((TINY.n_heads, 3, TINY.d_head))
+    qpos = np.arange(cache.next_position, cache.next_position + 3)
+    out, _ = attend(q, cache.keys, cache.values, qpos, cache.positions)
+    g = TINY.n_heads // TINY.n_kv_heads
+    for h, length in enumerate(cache.head_lengths):
+        alone, _ = attend(q[h * g:(h + 1) * g], cache.keys[h:h + 1, :length], cache.values[h:h + 1, :length], qpos,
+                          cache.positions[h:h + 1, :length])
+        np.testing.assert_allclose(out[h * g:(h + 1) * g], alone, rtol=1e-12, atol=1e-14)
+    # the trace marks empty slots with -1, and its kept sets are the caches'
+    last = engine.trace.kept[-1]
+    for cache, recorded in zip(engine.caches, last):
+        np.testing.assert_array_equal(recorded, cache.positions_or(-1))
+    event = engine.trace.evictions[-1]
+    counts = (event.kept >= 0).sum(axis=1)
+    np.testing.assert_array_equal(counts, engine.caches[event.layer].head_lengths)
+    assert np.all(event.kept_positions[event.kept < 0] == -1)
+
+
+def test_uneven_view_scores_each_head_alone(tiny64):
+    """With empty slots the base sees each head's real tokens only (head_view)."""
+    policy = get("adakv", base="keydiff", form="kvpress")
+    engine = Engine(tiny64, policy, 10, record="views")
+    engine.prefill(np.random.default_rng(3).integers(0, TINY.vocab_size, 40), 4)
+    views = [e.view for e in engine.trace.evictions if (e.view.positions == EMPTY).any()]
+    assert views, "expected an eviction over uneven heads"
+    view = views[-1]
+    scores = policy.score(view)
+    for h in range(view.n_kv_heads):
+        alone = head_view(view, h)
+        n_h = alone.n
+        np.testing.assert_array_equal(scores[h, :n_h], policy.base_policy.score(alone)[0])
+        assert np.all(scores[h, n_h:] == -np.inf)
+
+
+def test_cache_uneven_keep_and_append_copy_on_write():
+    cache = LayerCache(2, 1, np.float64, {})
+    cache.append(np.arange(10.0).reshape(2, 5, 1), np.arange(10.0).reshape(2, 5, 1))
+    before = cache.keys
+    cache.keep([np.array([0, 2, 4]), np.array([1])])
+    np.testing.assert_array_equal(before[:, :, 0], [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]])  # untouched
+    np.testing.assert_array_equal(cache.head_lengths, [3, 1])
+    np.testing.assert_array_equal(cache.positions, [[0, 2, 4], [1, EMPTY, EMPTY]])
+    np.testing.assert_array_equal(cache.keys[1, 1:], 0)
+    kept = cache.positions
+    cache.append(np.full((2, 2, 1), 7.0), np.full((2, 2, 1), 7.0))
+    np.testing.assert_array_equal(kept, [[0, 2, 4], [1, EMPTY, EMPTY]])
+    np.testing.assert_array_equal(cache.positions, [[0, 2, 4, 5, 6], [1, 5, 6, EMPTY, EMPTY]])
+    np.testing.assert_array_equal(cache.keys[:, :, 0], [[0, 2, 4, 7, 7], [6, 7, 7, 0, 0]])
+    with pytest.raises(ValueError, match="head 1: indices must name real tokens"):
+        cache.keep([np.array([0]), np.array([3])])
+    cache.keep([np.array([3, 4]), np.array([1, 2])])  # even again
+    assert not cache.uneven and len(cache) == 2
+    np.testing.assert_array_equal(cache.positions, [[5, 6], [5, 6]])
+
+
+@pytest.mark.parametrize("params, match", [
+    (dict(alpha=1.5), "alpha"), (dict(form="torch"), "form"), (dict(base="keydiff"), "signed scores"),
+    (dict(base="hashevict"), "evicts before attention"), (dict(base="full"), "never evicts"),
+    (dict(base="adakv"), "not allowed"), (dict(base=3), "base must be"),
+])
+def test_bad_parameters(params, match):
+    with pytest.raises(ValueError, match=match):
+        get("adakv", **params)
+
+
+def test_params_rebuild():
+    policy = AdaKV(base=get("snapkv", window=4, kernel=3), alpha=0.3)
+    again = get("adakv", **policy.params())
+    assert again.params() == policy.params() and again.base_policy == policy.base_policy
+
+
+def test_page_worked_example():
+    result = doctest.testfile(str(PAGE), module_relative=False, optionflags=doctest.NORMALIZE_WHITESPACE,
+                              raise_on_error=False)
+    assert result.attempted > 0 and result.failed == 0
