@@ -241,3 +241,146 @@ def test_page_worked_example():
     result = doctest.testfile(str(PAGE), module_relative=False, optionflags=doctest.NORMALIZE_WHITESPACE,
                               raise_on_error=False)
     assert result.attempted > 0 and result.failed == 0
+
+
+# -- the golden format and the checker with uneven heads ------------------------------------------
+def uneven_case(seed=0, **spec):
+    """An encoded block-mode AdaKV case whose heads keep different counts (empty slots among the candidates)."""
+    from refkv.oracle.vectors import encode_case
+
+    policy = get("adakv", **(spec or {"base": "snapkv", "base_params": {"window": 2, "kernel": 3}}))
+    for s in range(seed, seed + 50):
+        tokens = random_tokens(np.random.default_rng(s), 4, 2, 4, 20)
+        view = replay(policy, tokens, block_size=3, budget=6, layer=1, n_layers=4)
+        case = encode_case(policy, view, case_id=1, comment="uneven")
+        if "head_budgets" in case and (view.positions == EMPTY).any():
+            return policy, view, case
+    raise AssertionError("no uneven case found")
+
+
+def test_uneven_case_round_trip_through_a_file(tmp_path):
+    from refkv.oracle.io import write_json
+    from refkv.oracle.vectors import read_vectors, vectors_document
+
+    policy, view, case = uneven_case()
+    assert case["layer_total"] == sum(case["head_budgets"]) == view.keep * view.n_kv_heads
+    assert -1 in case["inputs"]["positions"]["data"]  # empty slots are -1 in a file
+    path = tmp_path / "adakv.json"
+    write_json(path, vectors_document("adakv", [(case.params, [case])]))
+    back = read_vectors(path).cases[0]
+    assert back.head_budgets == tuple(case["head_budgets"])
+    rebuilt = back.view()
+    np.testing.assert_array_equal(rebuilt.positions, view.positions)  # EMPTY again in memory
+    kept = policy.keep_indices(rebuilt)
+    assert [len(r) for r in kept] == list(back.head_budgets)
+    from refkv.oracle.cases import compare_case
+
+    assert compare_case({"kept": kept, "scores": policy.score(rebuilt)}, back).ok
+    padded = back.outputs["kept"]  # the -1 padded array is accepted too
+    assert compare_case({"kept": padded}, back).ok
+    positions = [view.positions[h][np.asarray(r)] for h, r in enumerate(kept)]
+    assert compare_case({"kept": positions}, back, kept_as="positions").ok
+
+
+def test_uneven_case_rebuilds_each_heads_block():
+    """After attention the block is each head's last B real tokens, not the last B columns."""
+    from refkv.oracle.vectors import as_vector_case
+
+    policy, view, case = uneven_case(base="keydiff", form="kvpress")  # reads keys: they are stored
+    rebuilt = as_vector_case(case).view()
+    np.testing.assert_array_equal(rebuilt.block_keys, view.block_keys)
+    np.testing.assert_array_equal(policy.score(rebuilt), policy.score(view))
+
+
+def test_uneven_case_file_is_validated(tmp_path):
+    import copy
+
+    from refkv.oracle.io import write_json
+    from refkv.oracle.vectors import read_vectors, vectors_document
+
+    _, _, case = uneven_case()
+    bad_total = copy.deepcopy(dict(case))
+    bad_total["layer_total"] += 1
+    write_json(tmp_path / "a.json", vectors_document("adakv", [(case.params, [bad_total])]))
+    with pytest.raises(ValueError, match=r"layer_total is .* but head_budgets sum to"):
+        read_vectors(tmp_path / "a.json")
+    bad_row = copy.deepcopy(dict(case))
+    short = int(np.argmin(case["head_budgets"]))
+    width = max(case["head_budgets"])
+    bad_row["outputs"]["kept"]["data"][short * width + width - 1] = 0  # a pad that is not -1
+    write_json(tmp_path / "b.json", vectors_document("adakv", [(case.params, [bad_row])]))
+    with pytest.raises(ValueError, match=rf"outputs.kept row {short} must hold head_budgets"):
+        read_vectors(tmp_path / "b.json")
+
+
+def test_checker_reports_uneven_failures():
+    from refkv.oracle.cases import compare_case
+    from refkv.oracle.vectors import as_vector_case
+
+    policy, view, case = uneven_case()
+    ref = as_vector_case(case)
+    kept = [np.asarray(r) for r in policy.keep_indices(view)]
+    long, short = int(np.argmax(ref.head_budgets)), int(np.argmin(ref.head_budgets))
+    # one token fewer in a head: the layer's total differs
+    fewer = [r if h != long else r[:-1] for h, r in enumerate(kept)]
+    result = compare_case({"kept": fewer}, ref)
+    assert not result.ok and "the layer's total differs" in result.format()
+    # an empty slot kept
+    n_short = int(np.count_nonzero(view.positions[short] != EMPTY))
+    slot = [r if h != short else np.append(r, n_short) for h, r in enumerate(fewer)]
+    result = compare_case({"kept": slot}, ref)
+    assert not result.ok and "past them are empty slots" in result.format()
+    # a token moved from one head to the other: pooled over the layer, and not a tie here
+    lowest = min((float(ref.outputs["scores"][long][c]), c) for c in kept[long]
+                 if not ref.outputs["protected"][long][c])[1]
+    moved = list(kept)
+    moved[long] = kept[long][kept[long] != lowest]
+    free = [c for c in range(n_short) if c not in set(kept[short].tolist())]
+    worst = min(free, key=lambda c: float(ref.outputs["scores"][short][c]))
+    moved[short] = np.sort(np.append(kept[short], worst))
+    result = compare_case({"kept": moved}, ref)
+    text = result.format()
+    assert not result.ok and "heads pooled" in text and "per head" in text
+
+
+def test_compare_uneven_accepts_a_move_between_heads_only_within_tolerance():
+    from refkv.oracle.retention import compare_uneven
+
+    scores = np.array([[0.5, 0.3, 0.2], [0.6, 0.29, 0.11]])
+    positions = np.tile(np.arange(3), (2, 1))
+    protected = np.zeros((2, 3), dtype=bool)
+    lengths = np.array([3, 3])
+    desired = [np.array([0, 1]), np.array([0])]             # keeps 0.5, 0.3 | 0.6
+    actual = [np.array([0]), np.array([0, 1])]              # keeps 0.5 | 0.6, 0.29: 0.29 for 0.3
+    tight = np.full((2, 3), 0.004)                          # 0.008 < 0.01: fails
+    loose = np.full((2, 3), 0.006)                          # 0.012 >= 0.01: a tie
+    fail = compare_uneven(actual, desired, scores, positions=positions, protected=protected, lengths=lengths,
+                          tolerance=tight)
+    assert not fail.ok and "heads pooled" in fail.failure and "[1, 2]" in fail.failure
+    tie = compare_uneven(actual, desired, scores, positions=positions, protected=protected, lengths=lengths,
+                         tolerance=loose)
+    assert tie.ok and len(tie.ties) == 1 and tie.ties[0].dropped_score == 0.3
+    # a higher-scored token given up for a lower one is never a tie, whatever the sign
+    wrong = [np.array([0, 1]), np.array([1])]               # 0.29 kept for 0.6
+    res = compare_uneven(wrong, desired, scores, positions=positions, protected=protected, lengths=lengths,
+                         tolerance=loose)
+    assert not res.ok
+    protected[0, 1] = True                                  # the moved-out token was protected
+    res = compare_uneven(actual, desired, scores, positions=positions, protected=protected, lengths=lengths,
+                         tolerance=loose)
+    assert not res.ok and "protects" in res.failure
+    same = compare_uneven(desired, desired, scores, positions=positions, protected=protected, lengths=lengths)
+    assert same.ok and not same.ties
+
+
+def test_an_even_reference_refuses_an_uneven_candidate():
+    from refkv.oracle.cases import compare_case
+    from refkv.oracle.vectors import encode_case
+
+    policy = get("tova")
+    view = replay(policy, random_tokens(np.random.default_rng(0), 4, 2, 4, 12), budget=5)
+    case = encode_case(policy, view, case_id=1, comment="even")
+    kept = policy.keep_indices(view)
+    outside = next(c for c in range(12) if c not in kept[1])
+    result = compare_case({"kept": [kept[0][:-1], np.sort(np.append(kept[1], outside))]}, case)
+    assert not result.ok and "the reference [5, 5]" in result.format()
