@@ -222,7 +222,7 @@ def _cmd_run(args) -> int:
           f"in all, positions 0-{attended - 1}):")
     for layer, cache in enumerate(engine.caches):
         for head in range(cache.n_kv_heads):
-            kept = cache.positions[head]
+            kept = cache.positions[head][:cache.head_lengths[head]]  # without empty slots (uneven heads)
             print(f"layer {layer} head {head}: {len(kept)} kept: {format_ranges(kept)}")
     print(evicted_summary(engine))
     s = engine.stats
@@ -238,8 +238,7 @@ def _cmd_run(args) -> int:
 
 def evicted_counts(engine) -> np.ndarray:
     """(layers, KV heads) tokens each cache has evicted: cached so far minus kept now."""
-    return np.array([[cache.next_position - len(cache.positions[h]) for h in range(cache.n_kv_heads)]
-                     for cache in engine.caches], dtype=np.int64)
+    return np.array([cache.next_position - cache.head_lengths for cache in engine.caches], dtype=np.int64)
 
 
 def evicted_summary(engine) -> str:

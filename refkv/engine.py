@@ -137,7 +137,11 @@ class Engine:
     policy : Policy or str, default "full"
         A policy object, or a registered name (constructed with defaults).
     budget : int or None
-        ``N``: tokens kept per layer and KV head. ``None``: never evict.
+        ``N``: tokens kept per layer and KV head. ``None``: never evict. A policy may
+        spread it unevenly, keeping the totals: over the layers
+        (``policy.layer_budget``, PyramidKV) and over a layer's KV heads
+        (``policy.head_budgets``, AdaKV; the caches then hold empty slots, see
+        :mod:`refkv.cache`).
     record : bool or "views"
         Keep a :class:`Trace`: the kept positions after every block and layer and every
         eviction (:class:`Eviction`); ``"views"`` also keeps the view each eviction decided
