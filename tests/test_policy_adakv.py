@@ -384,3 +384,60 @@ def test_an_even_reference_refuses_an_uneven_candidate():
     outside = next(c for c in range(12) if c not in kept[1])
     result = compare_case({"kept": [kept[0][:-1], np.sort(np.append(kept[1], outside))]}, case)
     assert not result.ok and "the reference [5, 5]" in result.format()
+
+
+@given(st.data())
+@settings(max_examples=60, deadline=None)
+def test_cache_with_uneven_heads_matches_a_list_per_head(data):
+    """Any sequence of appends and (even or uneven) keeps: each head holds exactly what a plain
+    Python list of (position, key, value, field) would, then empty slots."""
+    from refkv.cache import FieldSpec
+
+    hkv = data.draw(st.integers(1, 3), label="hkv")
+    cache = LayerCache(hkv, 2, np.float64, {"f": FieldSpec(np.int64, (), -7)})
+    model = [[] for _ in range(hkv)]  # per head: (position, key0, field)
+    held = []  # views handed out, with a copy of what they showed
+    for _ in range(data.draw(st.integers(1, 6), label="steps")):
+        b = data.draw(st.integers(1, 3), label="block")
+        start = cache.next_position
+        keys = np.arange(start, start + b, dtype=np.float64)[None, :, None] * np.ones((hkv, 1, 2))
+        keys[:, :, 1] = np.arange(hkv)[:, None]
+        cache.append(keys, keys.copy())
+        for h in range(hkv):
+            model[h] += [(p, float(p), -7) for p in range(start, start + b)]
+        if data.draw(st.booleans(), label="set field"):
+            values = (cache.positions * 10) % 13
+            cache.set_field("f", values)
+            for h in range(hkv):
+                model[h] = [(p, k, int((p * 10) % 13)) for p, k, _ in model[h]]
+        held.append((cache.positions, cache.positions.copy()))
+        rows = []
+        for h in range(hkv):
+            n_h = len(model[h])
+            rows.append(np.array(sorted(data.draw(st.sets(st.integers(0, n_h - 1), max_size=n_h), label="keep")),
+                                 dtype=np.int64))
+        cache.keep(rows)
+        for h in range(hkv):
+            model[h] = [model[h][c] for c in rows[h]]
+        for h in range(hkv):
+            n_h = len(model[h])
+            assert cache.head_lengths[h] == n_h
+            np.testing.assert_array_equal(cache.positions[h, :n_h], [p for p, _, _ in model[h]])
+            np.testing.assert_array_equal(cache.keys[h, :n_h, 0], [k for _, k, _ in model[h]])
+            np.testing.assert_array_equal(cache.keys[h, :n_h, 1], h)
+            np.testing.assert_array_equal(cache.fields["f"][h, :n_h], [f for _, _, f in model[h]])
+            assert np.all(cache.positions[h, n_h:] == EMPTY) and np.all(cache.keys[h, n_h:] == 0)
+            assert np.all(cache.fields["f"][h, n_h:] == -7)
+        assert len(cache) == max(len(m) for m in model) and cache.total == sum(len(m) for m in model)
+    for view, copy in held:  # copy on write: nothing handed out ever changed
+        np.testing.assert_array_equal(view, copy)
+
+
+def test_ada_pyramid_keeps_each_layers_total(tiny64):
+    policy = get("adakv", base="pyramidkv", base_params={"base_params": {"window": 2, "kernel": 3}, "beta": 4})
+    budgets = policy.base_policy.layer_budgets(12, TINY.n_layers)
+    engine = Engine(tiny64, policy, 12)
+    engine.prefill(np.random.default_rng(5).integers(0, TINY.vocab_size, 70), 6)
+    for cache, budget in zip(engine.caches, budgets):
+        assert cache.total == budget * cache.n_kv_heads
+    assert len(set(budgets)) > 1
