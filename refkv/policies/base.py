@@ -135,6 +135,9 @@ class View:
     @property
     def head_lengths(self) -> np.ndarray:
         """(Hkv,) int64: real candidates per head (``n`` each unless the cache has empty slots)."""
+        n_kv, n = self.positions.shape
+        if n == 0 or not (self.positions[:, -1] == EMPTY).any():  # empty slots sit last: O(Hkv) when none
+            return np.full(n_kv, n, dtype=np.int64)
         return np.count_nonzero(self.positions != EMPTY, axis=1).astype(np.int64)
 
     @property
