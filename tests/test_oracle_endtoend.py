@@ -11,6 +11,7 @@ from refkv import Engine, policies
 from refkv.model import builtin_model
 from refkv.oracle import read_end_to_end, run_end_to_end
 from refkv.oracle.endtoend import export_weights, policy_from_manifest, prompt_tokens
+from refkv.policies.adakv import safeguard
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 E2E_FILES = sorted((GOLDEN / "e2e").glob("*/*.json"))
@@ -22,6 +23,20 @@ def _independent_keep(positions, scores, protected, budget):
     return sorted(int(positions[i]) for i in order[:budget])
 
 
+def _independent_layer_keep(cands, scores, protected, budget, floor):
+    """AdaKV's joint choice over a layer's heads (Python's sorted): per head, its protected tokens and
+    its first ``floor`` in its own order are forced; then the layer's ``budget * Hkv`` best by
+    (forced, score, position, lower head)."""
+    forced = set()
+    for h, cand in enumerate(cands):
+        own = sorted(range(len(cand)), key=lambda i: (not protected[h][i], -scores[h][i], -cand[i]))
+        forced |= {(h, i) for i in own[:max(floor, int(np.sum(protected[h])))]}
+    pairs = sorted(((h, i) for h, cand in enumerate(cands) for i in range(len(cand))),
+                   key=lambda hi: ((hi not in forced), -scores[hi[0]][hi[1]], -cands[hi[0]][hi[1]], hi[0]))
+    chosen = pairs[:budget * len(cands)]
+    return [sorted(int(cands[h][i]) for h2, i in chosen if h2 == h) for h in range(len(cands))]
+
+
 @pytest.mark.parametrize("path", E2E_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_every_recorded_decision_follows_from_its_recorded_scores(path):
     g = read_end_to_end(path)
@@ -31,23 +46,37 @@ def test_every_recorded_decision_follows_from_its_recorded_scores(path):
     t, bs = len(a["prompt"]), m["block_size"] or len(a["prompt"])
     sizes = [min(bs, t - s) for s in range(0, t, bs)]
     assert m["n_blocks"] == n_blocks == len(sizes) and m["evictions"] == int((a["candidate_count"] > 0).sum())
+    policy = policy_from_manifest(m)
+    even = type(policy).head_budgets is policies.Policy.head_budgets  # AdaKV shares a layer's total unevenly
     for b in range(n_blocks):
         for l in range(n_layers):
             k = a["kept_count"][b, l]
-            kept = a["kept"][b, l, :, :k]
-            assert (a["kept"][b, l, :, k:] == -1).all() and (np.diff(kept, axis=1) > 0).all()
+            # a head keeping fewer tokens than the widest ends its row in -1 (uneven budgets)
+            kept = [row[row >= 0] for row in a["kept"][b, l, :, :k]]
+            assert (a["kept"][b, l, :, k:] == -1).all()
+            assert all((np.diff(row) > 0).all() and (a["kept"][b, l, h, len(row):k] == -1).all()
+                       for h, row in enumerate(kept))
             c = a["candidate_count"][b, l]
             if c == 0:
                 continue
-            # Evicting after attention keeps N of the candidates; before attention, N - B
-            # (the block arrives afterwards and is kept by everyone).
-            n_keep = m["budget"] - sizes[b] if before else m["budget"]
+            # Evicting after attention keeps N_l of the candidates (N but for PyramidKV's layers);
+            # before attention, N - B (the block arrives afterwards and is kept by everyone).
+            budget = policy.layer_budget(m["budget"], l, n_layers)
+            n_keep = budget - sizes[b] if before else budget
+            cands = [a["candidates"][b, l, h, :c] for h in range(hkv)]
+            owned = [kept[h][np.isin(kept[h], cands[h])] for h in range(hkv)]
+            if not even:
+                real = [cand >= 0 for cand in cands]  # -1: an empty slot among the candidates
+                expected = _independent_layer_keep(
+                    [cand[r] for cand, r in zip(cands, real)], [a["scores"][b, l, h, :c][real[h]] for h in range(hkv)],
+                    [a["protected"][b, l, h, :c][real[h]] for h in range(hkv)], n_keep,
+                    safeguard(n_keep, policy.alpha, policy.form))
+                assert [own.tolist() for own in owned] == expected, (b, l)
+                continue
             for h in range(hkv):
-                cand = a["candidates"][b, l, h, :c]
-                own = kept[h][np.isin(kept[h], cand)]
-                assert len(own) == n_keep
-                expected = _independent_keep(cand, a["scores"][b, l, h, :c], a["protected"][b, l, h, :c], n_keep)
-                assert own.tolist() == expected, (b, l, h)
+                assert len(owned[h]) == n_keep
+                expected = _independent_keep(cands[h], a["scores"][b, l, h, :c], a["protected"][b, l, h, :c], n_keep)
+                assert owned[h].tolist() == expected, (b, l, h)
 
 
 def test_run_end_to_end_records_the_engine_trace_and_logits():
@@ -177,5 +206,9 @@ def test_one_shot_goldens_attend_over_the_whole_prompt_then_evict_once_per_layer
         if m["budget"] is None:
             continue
         assert m["budget"] < t and m["evictions"] == m["model"]["config"]["n_layers"], path
-        assert (a["candidate_count"] == t).all() and (a["kept_count"] == m["budget"]).all(), path
+        policy, n_layers = policy_from_manifest(m), m["model"]["config"]["n_layers"]
+        budgets = [policy.layer_budget(m["budget"], l, n_layers) for l in range(n_layers)]  # N but for PyramidKV
+        hkv = a["kept"].shape[2]
+        assert (a["candidate_count"] == t).all(), path
+        assert [int((a["kept"][0, l] >= 0).sum()) for l in range(n_layers)] == [n * hkv for n in budgets], path
         assert (a["candidates"][0, :, :, :t] == np.arange(t)).all(), path
