@@ -61,8 +61,8 @@ def build_base(base, base_params, owner: str, refuse: tuple[str, ...] = ()) -> P
     else:
         raise ValueError(f"base must be a policy name or a Policy, got {type(base).__name__}")
     if policy.name in refuse:
-        raise ValueError(f"{owner}: base={policy.name!r} is not allowed (its budgets would be lost); "
-                         f"refused bases: {', '.join(refuse)}")
+        raise ValueError(f"{owner}: base={policy.name!r} is not allowed: these meta-policies do not nest in "
+                         f"{owner} (their own budgets or infinite scores would be lost): {', '.join(refuse)}")
     if isinstance(policy, Full):
         raise ValueError(f"{owner}: base='full' never evicts (it protects every token); choose an evicting base")
     if policy.evict_before_attention:
