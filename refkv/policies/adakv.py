@@ -197,7 +197,9 @@ class AdaKV(Policy):
       SnapKV differs from the paper's only by the window's per-head share of the mass, and
       for signed scores (KeyDiff, Knorm) is the only form.
     * **Safeguard**: ``floor(alpha * N)`` per head, the protected tokens counting towards it;
-      kvpress raises it to at least 1 when ``alpha > 0``.
+      kvpress raises it to at least 1 when ``alpha > 0``. This is kvpress's form of the
+      safeguard; the authors' code (as recalled, not verified here) mixes the allocation with
+      the uniform one instead (see the documentation page).
     * **Ties across heads**: equal scores go to the larger position, then to the lower head.
     * **Budget**: ``view.keep`` per head on average: the layer keeps ``keep * Hkv``; a head
       may keep up to every token it holds. With uneven heads the cache holds empty slots
