@@ -96,10 +96,11 @@ def format_spec_label(spec: str) -> str:
 
 def evicting_policies() -> list[str]:
     """The default specs of every evicting policy, in ``table_order``: each class's
-    ``experiment_specs``, or its name."""
+    ``experiment_specs``, or its name (classes with ``in_experiments = False`` left out)."""
     classes = sorted((policies.policy_class(name) for name in policies.available()),
                      key=lambda cls: (cls.table_order, cls.name))
-    return [spec for cls in classes if cls.evicts for spec in (cls.experiment_specs or (cls.name,))]
+    return [spec for cls in classes if cls.evicts and cls.in_experiments
+            for spec in (cls.experiment_specs or (cls.name,))]
 
 
 def default_policies(extra: tuple[str, ...] = (), *, caote: bool = True) -> list[str]:

@@ -217,7 +217,7 @@ class AdaKV(Policy):
     protects = "the base's; :math:`\\lfloor\\alpha N\\rfloor` per head"
     implements = "Ada-KV: head-adaptive budgets (Alg. 1, safeguard) over any base; kvpress's AdaKVPress as form"
     table_order = 110
-    experiment_specs = ("adakv:base=snapkv",)
+    in_experiments = False  # uneven caches: the experiments read N real tokens per head
     variants = ({"base": "snapkv", "base_params": {"window": 4, "kernel": 3}},
                 {"base": "h2o"},
                 {"base": "keydiff", "form": "kvpress"})

@@ -189,6 +189,10 @@ class Policy:
     experiment_specs : tuple of str
         The policy specs (:mod:`refkv.policies.spec`) the experiments run by default
         (empty: the policy's name alone, if it evicts).
+    in_experiments : bool
+        False leaves the policy out of the experiments' default lists (AdaKV and PyramidKV:
+        the experiments' measurements read every head's cache as ``N`` real tokens, and
+        their registered plans predate these policies); it can still be named explicitly.
     table_order : int
         Where tables and the experiments list it (smaller first, then by name).
     variants : tuple of dict
@@ -215,6 +219,7 @@ class Policy:
     nonnegative_scores: ClassVar[bool] = False
     evicts: ClassVar[bool] = True
     experiment_specs: ClassVar[tuple[str, ...]] = ()
+    in_experiments: ClassVar[bool] = True
     table_order: ClassVar[int] = 1000
     variants: ClassVar[tuple[dict, ...]] = ()
 

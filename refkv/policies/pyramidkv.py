@@ -138,7 +138,7 @@ class PyramidKV(Policy):
     protects = "the base's"
     implements = "PyramidKV: the layer schedule (beta), total N x L, over any base; kvpress's PyramidKVPress as form"
     table_order = 120
-    experiment_specs = ("pyramidkv:base=snapkv",)
+    in_experiments = False  # per-layer budgets: the experiments compare policies at one N in every layer
     variants = ({"base": "snapkv", "base_params": {"window": 4, "kernel": 3}, "beta": 4},
                 {"base": "tova", "beta": 2},
                 {"base": "snapkv", "base_params": {"window": 4, "kernel": 3}, "form": "kvpress", "beta": 4})
