@@ -141,7 +141,8 @@ class PyramidKV(Policy):
     in_experiments = False  # per-layer budgets: the experiments compare policies at one N in every layer
     variants = ({"base": "snapkv", "base_params": {"window": 4, "kernel": 3}, "beta": 4},
                 {"base": "tova", "beta": 2},
-                {"base": "snapkv", "base_params": {"window": 4, "kernel": 3}, "form": "kvpress", "beta": 4})
+                # kvpress's form pyramids only when N / beta >= w: a window of 1, beta 2
+                {"base": "snapkv", "base_params": {"window": 1, "kernel": 3}, "form": "kvpress", "beta": 2})
     needs = frozenset({"attention"})
 
     base: Any = "snapkv"
