@@ -441,3 +441,33 @@ def test_ada_pyramid_keeps_each_layers_total(tiny64):
     for cache, budget in zip(engine.caches, budgets):
         assert cache.total == budget * cache.n_kv_heads
     assert len(set(budgets)) > 1
+
+
+@given(seed=st.integers(0, 2**16), t=st.integers(2, 24), keep=st.integers(1, 12),
+       alpha=st.sampled_from([0.0, 0.2, 0.5, 1.0]), form=st.sampled_from(["paper", "kvpress"]),
+       block=st.sampled_from([None, 1, 3]))
+@settings(max_examples=40, deadline=None)
+def test_any_decision_is_the_joint_top_with_the_floor(seed, t, keep, alpha, form, block):
+    """Block mode too: the candidates then hold empty slots, which are never kept."""
+    policy = get("adakv", base="tova", alpha=alpha, form=form)
+    tokens = random_tokens(np.random.default_rng(seed), 4, 2, 4, t)
+    view = replay(policy, tokens, block_size=block, budget=keep)
+    lengths = view.head_lengths
+    base = np.full(view.positions.shape, -np.inf)
+    for h in range(2):
+        alone = head_view(view, h)
+        base[h, :lengths[h]] = policy.base_policy.score(alone)[0]
+    got = as_sets(policy.keep_indices(view))
+    hkv = 2
+    # the joint top over real tokens only, by the independent recomputation on each head's real columns
+    real_scores = [base[h, :lengths[h]] for h in range(hkv)]
+    if form == "paper":
+        real_scores = [s / s.sum() if s.sum() > 0 else np.full(len(s), 1 / len(s)) for s in real_scores]
+    floor = int(np.floor(alpha * keep)) if form == "paper" else (max(1, int(keep * alpha)) if alpha > 0 else 0)
+    forced = {(h, c) for h in range(hkv) for c in sorted(range(lengths[h]), key=lambda c: (
+        real_scores[h][c], view.positions[h, c]), reverse=True)[:floor]}
+    pairs = sorted(((h, c) for h in range(hkv) for c in range(lengths[h])),
+                   key=lambda hc: ((hc in forced), real_scores[hc[0]][hc[1]], view.positions[hc], -hc[0]),
+                   reverse=True)[:keep * hkv]
+    assert got == [sorted(c for h2, c in pairs if h2 == h) for h in range(hkv)]
+    assert sum(map(len, got)) == min(keep * hkv, int(lengths.sum()))
