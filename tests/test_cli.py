@@ -131,7 +131,7 @@ def test_generate_on_the_tiny_model_reports_eviction(capsys, tmp_path):
     assert lines[0] == "loading tiny ..."
     # 210 prompt bytes + 2 of the 3 generated tokens were cached; tova keeps 64.
     assert "[evicted: 148 of 212 tokens in every layer and KV head (64 kept)]" in err
-    assert "threads 1, --threads]" in err
+    assert "BLAS threads: 1 (as asked by --threads)]" in err
 
 
 def test_generate_prompt_sources_are_exclusive_and_checked(capsys, tmp_path):
