@@ -49,6 +49,14 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
+    def parse_known_args(self, args=None, namespace=None):
+        """As argparse's, but a subcommand refuses what it does not know itself, with its own
+        usage and the closest valid option, instead of passing it up to the top-level usage."""
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras and " " in self.prog:  # a subcommand ("refkv generate"): the last parser to see them
+            self.error(unrecognized_message(self, extras))
+        return parsed, extras
+
     def add_argument(self, *args, **kwargs):
         # argparse prints nothing for an option without help, not even its default
         default = kwargs.get("default")
@@ -56,6 +64,27 @@ class Parser(argparse.ArgumentParser):
                 and args and str(args[0]).startswith("-"):
             kwargs["help"] = "(default: %(default)s)"
         return super().add_argument(*args, **kwargs)
+
+
+def unrecognized_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """``unrecognized arguments: --max-tokens 48 (did you mean --max-new-tokens?)``.
+
+    The suggestion is :func:`difflib.get_close_matches` of each unknown option (without an
+    ``=value``) among ``parser``'s own option strings.
+    """
+    import difflib
+
+    known = [option for option in parser._option_string_actions if option.startswith("--")]
+    hints = []
+    for word in extras:
+        if word.startswith("-") and word not in ("-", "--"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
+            if close and close[0] not in hints:
+                hints.append(close[0])
+    text = f"unrecognized arguments: {' '.join(extras)}"
+    if hints:
+        text += f" (did you mean {' or '.join(hints)}?)"
+    return text + f"; `{parser.prog} --help` lists every option"
 
 
 def _policy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -178,10 +207,12 @@ def add_policies_command(sub) -> None:
 
 
 def _cmd_policies(args) -> int:
-    for name in policies.available():
+    names = policies.available()
+    width = max(map(len, names))  # the longest name sets the column, so every row lines up
+    for name in names:
         cls = policies.policy_class(name)
-        print(f"{name:14s} {cls.summary}")
-        print(f"{'':14s}   paper: {cls.paper}; defaults: {cls().describe()}")
+        print(f"{name:<{width}}  {cls.summary}")
+        print(f"{'':<{width}}  paper: {cls.paper}; defaults: {cls().describe()}")
     return 0
 
 
@@ -389,7 +420,21 @@ def _cmd_generate(args) -> int:
           f"{' (stop token)' if result.stopped else ' (limit)'}; peak cache {s.peak_cache_tokens} tokens per head; "
           f"{_threads_line(choice)}]", file=sys.stderr)
     print(f"[{evicted_summary(result.engine)}]", file=sys.stderr)
+    if args.example:
+        for line in example_lines(args.budget is not None):
+            print(f"[{line}]", file=sys.stderr)
     return 0
+
+
+def example_lines(evicted: bool) -> list[str]:
+    """What ``generate --example`` adds after the answer: the question, the passage's answer, what to compare."""
+    from .generation import example_answer, example_question
+
+    compare = ("compare: are the name and the year in the answer above? Run it again without --budget for "
+               "the model's answer with nothing evicted" if evicted else
+               "compare: this is the model's answer with nothing evicted; add --budget 128 --block 32 to "
+               "see what eviction changes")
+    return [f"question: {example_question()}", f"reference answer, from the passage: {example_answer()}", compare]
 
 
 def _threads_line(choice) -> str:
