@@ -274,3 +274,19 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(refkv.explorer, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_quick_start_show_commands_parse():
+    """Every ``refkv show`` command of the quick start names options that exist, with valid values."""
+    import pathlib
+    import shlex
+
+    from refkv.cli import build_parser
+
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "guide" / "quickstart.rst").read_text(
+        encoding="utf-8")
+    commands = re.findall(r"^    (refkv show .*)$", page, re.M)
+    assert len(commands) >= 2
+    for command in commands:
+        args = build_parser().parse_args(shlex.split(command)[1:])  # SystemExit on an unknown option
+        assert parse_spec_list(args.policy)
