@@ -602,14 +602,19 @@ def _cmd_show(args) -> int:
         policy.check(args.budget, model.config)
         if len(ids) > args.budget:
             _check_block(policy, args.budget, block or len(ids), model.config, chosen=block is not None)
+    if len(ids) <= args.budget:
+        print(f"note: the prompt's {len(ids)} tokens fit in --budget {args.budget}: nothing is evicted "
+              f"(a smaller --budget shows eviction)", file=sys.stderr)
     choice = choose_threads(model.config, requested=args.threads)
     start = time.perf_counter()
-    print(f"running {len(ids)} prompt tokens under {len(specs)} policies and no eviction ...", file=sys.stderr,
-          flush=True)
+
+    def progress(done: int, total: int, label: str) -> None:
+        print(f"run {done + 1} of {total}: {label}, {len(ids)} prompt tokens ...", file=sys.stderr, flush=True)
+
     with blas_threads(choice.n):
         result = explore(model, tokenizer, ids, specs, budget=args.budget, block=block,
                          max_new_tokens=args.max_new_tokens, highlights=highlights,
-                         command=_show_command(args, specs), notes=notes)
+                         command=_show_command(args, specs), notes=notes, progress=progress)
     seconds = time.perf_counter() - start
     if args.format == "ansi":
         sys.stdout.write(render_ansi(result))
@@ -617,7 +622,8 @@ def _cmd_show(args) -> int:
         path = atomic_write(args.out, render_html(result))
         print(f"wrote {path} ({len(ids)} tokens, {len(specs)} policies); open it in a browser: "
               f"{path.resolve().as_uri()}")
-    print(f"[{len(specs) + 1} runs in {seconds:.1f} s; {_threads_line(choice)}]", file=sys.stderr)
+    runs = len(specs) + (1 if args.max_new_tokens else 0)
+    print(f"[{runs} runs in {seconds:.1f} s; {_threads_line(choice)}]", file=sys.stderr)
     return 0
 
 

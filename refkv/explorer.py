@@ -33,7 +33,7 @@ from __future__ import annotations
 import html
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
 
@@ -237,7 +237,8 @@ def _answer(engine: Engine, logits: np.ndarray, tokenizer, max_new_tokens: int) 
 
 def explore(model, tokenizer, tokens: Sequence[int], specs: Sequence[str], *, budget: int,
             block: int | None = None, max_new_tokens: int = 32, highlights: Sequence[str] = (),
-            command: str = "", notes: Sequence[str] = ()) -> Exploration:
+            command: str = "", notes: Sequence[str] = (),
+            progress: Callable[[int, int, str], None] | None = None) -> Exploration:
     """Run ``tokens`` under each policy spec at budget ``N`` and block ``B``; record what each kept.
 
     Parameters
@@ -258,6 +259,9 @@ def explore(model, tokenizer, tokens: Sequence[int], specs: Sequence[str], *, bu
         Texts to mark on the page (each must occur in the prompt).
     command, notes : str, sequence of str
         Shown on the page.
+    progress : callable, optional
+        Called as ``progress(done, total, label)`` before each run (the policies, then the
+        no-eviction run, labelled ``"no eviction"``).
 
     Examples
     --------
@@ -283,11 +287,15 @@ def explore(model, tokenizer, tokens: Sequence[int], specs: Sequence[str], *, bu
     pieces = token_pieces(tokenizer, tokens)
     marked = [(text, highlight_tokens(pieces, text)) for text in highlights]
     n_blocks = len(blocks(np.asarray(tokens), block))
-    runs = []
-    for spec in specs:
-        policy = make_policy(spec)
+    policies = [make_policy(spec) for spec in specs]  # every spec checked before any run
+    for spec, policy in zip(specs, policies):
         if not policy.evicts:
             raise ValueError(f"policy {spec!r} never evicts; the page always shows the no-eviction answer")
+    total = len(specs) + (1 if max_new_tokens else 0)
+    runs = []
+    for index, (spec, policy) in enumerate(zip(specs, policies)):
+        if progress is not None:
+            progress(index, total, policy.describe())
         engine = Engine(model, policy, budget, record="views")
         logits = engine.prefill(tokens, block)
         trace, engine.trace = engine.trace, None  # generation is not recorded
@@ -298,6 +306,8 @@ def explore(model, tokenizer, tokens: Sequence[int], specs: Sequence[str], *, bu
                               answer=_answer(engine, logits, tokenizer, max_new_tokens)))
     reference = ""
     if max_new_tokens:
+        if progress is not None:
+            progress(len(specs), total, "no eviction")
         engine = Engine(model, "full")
         reference = _answer(engine, engine.prefill(tokens), tokenizer, max_new_tokens)
     return Exploration(model=model.config.name, tokens=tokens, pieces=pieces, budget=budget, block=block,

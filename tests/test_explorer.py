@@ -218,6 +218,10 @@ def test_show_writes_a_page_and_ansi(tmp_path, capsys):
     page = out.read_text(encoding="utf-8")
     assert "snapkv(window=8" in page and "--highlight 48151" in page
     assert [p.name for p in out.parent.iterdir()] == ["show.html"]  # no temporary file left
+    assert captured.err.splitlines()[1:4] == [f"run {i} of 3: {label}, 258 prompt tokens ..." for i, label in
+                                              ((1, "h2o(recent=None)"),
+                                               (2, "snapkv(window=8, kernel=7, pooling='avg')"),
+                                               (3, "no eviction"))]
     assert main([*argv[:-2], "--format", "ansi"]) == 0
     text = capsys.readouterr().out
     assert "\x1b[" in text and "answer, no eviction" in text
@@ -228,6 +232,7 @@ def test_show_passkey_highlights_the_needle(tmp_path, capsys):
     assert main(["show", "--passkey", "300", "--key", "12345", "--model", "tiny", "--policy", "keydiff",
                  "--budget", "64", "--block", "32", "--max-new-tokens", "0", "--threads", "1",
                  "--out", str(out)]) == 0
+    assert "[1 runs in " in capsys.readouterr().err  # no answers asked for: no no-eviction run
     page = out.read_text(encoding="utf-8")
     assert "The pass key is 12345. Remember it." in page
     assert 'class="t hl"' in page
@@ -253,6 +258,12 @@ def test_show_bad_input_is_one_line_exit_2(argv, message, capsys, tmp_path):
     assert err[-1].startswith("refkv: error: ") and message in err[-1]
     assert "Traceback" not in "\n".join(err)
     assert not out.exists()
+
+
+def test_show_notes_a_prompt_that_fits(tmp_path, capsys):
+    assert main(["show", "short prompt", "--model", "tiny", "--policy", "h2o", "--budget", "64", "--out",
+                 str(tmp_path / "fits.html"), "--max-new-tokens", "0", "--threads", "1"]) == 0
+    assert "note: the prompt's 12 tokens fit in --budget 64: nothing is evicted" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
