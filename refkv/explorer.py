@@ -363,8 +363,9 @@ def _grid(exp: Exploration, run: PolicyRun, index: int) -> str:
             else:
                 colour, note = "#d8e6f3", ""
             title = f"layer {layer}, KV head {head}: {int(kept[layer, head].sum())} tokens kept{note}"
-            cells.append(f'<td class="cell" data-p="{index}" data-l="{layer}" data-h="{head}" '
-                         f'style="background:{colour}" title="{html.escape(title)}"></td>')
+            cells.append(f'<td class="cell" data-p="{index}" data-l="{layer}" data-h="{head}" tabindex="0" '
+                         f'role="button" aria-label="{html.escape(title)}" style="background:{colour}" '
+                         f'title="{html.escape(title)}"></td>')
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return f'<table class="grid" id="grid-{index}">{"".join(rows)}</table>'
 

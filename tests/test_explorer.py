@@ -301,3 +301,23 @@ def test_the_quick_start_show_commands_parse():
     for command in commands:
         args = build_parser().parse_args(shlex.split(command)[1:])  # SystemExit on an unknown option
         assert parse_spec_list(args.policy)
+
+
+@pytest.mark.skipif(not __import__("shutil").which("chromium"), reason="needs a headless chromium")
+def test_the_script_selects_the_head_in_the_address(result, tmp_path):
+    """In a real browser (headless chromium, offline), ``#layer=1&head=0&mode=score`` selects that
+    head: each policy's line names it and its kept count, and the cell is marked."""
+    import subprocess
+
+    page = tmp_path / "page.html"
+    page.write_text(render_html(result), encoding="utf-8")
+    dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          "--disable-background-networking", "--virtual-time-budget=3000", "--dump-dom",
+                          page.as_uri() + "#layer=1&head=0&mode=score"],
+                         capture_output=True, text=True, timeout=120).stdout
+    for index, run in enumerate(result.runs):
+        kept = int(run.kept[1, 0].sum())
+        assert re.search(rf'id="sel-{index}">layer 1, KV head 0: {kept} kept; last eviction at block '
+                         rf'{run.last_block[1]}<', dom)
+    assert dom.count('class="cell on"') == len(result.runs)
+    assert "scores at the layer's last eviction" in dom

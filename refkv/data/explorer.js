@@ -87,6 +87,9 @@
 
   document.querySelectorAll("td.cell").forEach(function (c) {
     c.addEventListener("click", function () { select(parseInt(c.dataset.l, 10), parseInt(c.dataset.h, 10)); });
+    c.addEventListener("keydown", function (e) {  // the keyboard selects too
+      if (e.key === "Enter" || e.key === " ") { e.preventDefault(); c.click(); }
+    });
   });
   document.querySelectorAll('input[name="mode"]').forEach(function (r) {
     r.addEventListener("change", function () {
