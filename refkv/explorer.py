@@ -423,7 +423,7 @@ def render_html(exp: Exploration) -> str:
                      else f"{int(counts.min())}-{int(counts.max())} tokens kept per layer and KV head")
         panels.append(
             f'<section class="policy" id="policy-{index}"><h3>{e(run.label)}</h3>'
-            f'<p class="meta">{kept_line}; mean share kept {fraction.mean():.0%}</p>'
+            f'<p class="meta">{kept_line}</p>'
             f'<div class="gridwrap"><span class="axis">layer &rarr;</span>{_grid(exp, run, index)}</div>'
             f'<p class="sel" id="sel-{index}">coloured by the share of (layer, KV head) pairs that kept each token</p>'
             f'{_text_block(exp, fraction, index)}</section>')
@@ -478,7 +478,8 @@ def render_ansi(exp: Exploration) -> str:
                 parts.append((code, text))
         line = "".join(f"\x1b[{code}m{text}{reset}" if code else text for code, text in parts)
         lines.append(f"\x1b[1m{run.label}{reset}: {line}")
-    lines.append(f"answer, no eviction: {_one_line(exp.reference)}")
-    for run in exp.runs:
-        lines.append(f"answer, {run.label}: {_one_line(run.answer)}")
+    if exp.reference or any(run.answer for run in exp.runs):  # none when no answers were asked for
+        lines.append(f"answer, no eviction: {_one_line(exp.reference)}")
+        for run in exp.runs:
+            lines.append(f"answer, {run.label}: {_one_line(run.answer)}")
     return "\n".join(lines) + "\n"
