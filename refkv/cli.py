@@ -528,8 +528,9 @@ def _show_command(args, specs) -> str:
     return shlex.join(words)
 
 
-def _show_prompt(args, tokenizer):
-    """Token ids, highlights and notes of the prompt ``refkv show`` was given."""
+def _show_prompt(args, tokenizer, prompt: str | None):
+    """Token ids, highlights and notes of the prompt ``refkv show`` was given (``prompt``: its
+    text, read before the model was loaded; None for --passkey, built with the tokenizer)."""
     from .generation import example_answer, example_question
 
     highlights = list(args.highlight or [])
@@ -539,7 +540,6 @@ def _show_prompt(args, tokenizer):
 
         ids, _ = build_prompt(tokenizer, args.passkey, args.depth, args.key, template="raw")
         return ids, highlights or [NEEDLES["short"].format(key=args.key)], [f"the pass key is {args.key}"]
-    prompt = _read_prompt(args)
     if args.example:
         highlights = highlights or list(EXAMPLE_FACTS)
         notes = [f"question: {example_question()}", f"reference answer: {example_answer()}"]
@@ -568,8 +568,12 @@ def _cmd_show(args) -> int:
         if not 0.0 <= args.depth <= 1.0:
             raise ValueError(f"--depth must be in [0, 1], got {args.depth}")
         check_int("--key", args.key, 10000, 99999)
-    if args.prompt is not None:
-        _check_prompt(args.prompt)
+    prompt = None
+    if args.passkey is None:  # read and checked before the model loads: a bad file fails at once
+        prompt = _read_prompt(args)
+        _check_prompt(prompt)
+        if not prompt.strip():
+            raise ValueError("the prompt must not be empty")
     specs = parse_spec_list(args.policy)
     block = args.block or None
     if args.model is None:
@@ -595,7 +599,7 @@ def _cmd_show(args) -> int:
     from .model.loading import load_with_tokenizer
 
     model, tokenizer = load_with_tokenizer(args.model, dtype=args.dtype)
-    ids, highlights, notes = _show_prompt(args, tokenizer)
+    ids, highlights, notes = _show_prompt(args, tokenizer, prompt)
     if not ids:
         raise ValueError("the prompt must not be empty")
     for policy in chosen:

@@ -266,6 +266,18 @@ def test_show_notes_a_prompt_that_fits(tmp_path, capsys):
     assert "note: the prompt's 12 tokens fit in --budget 64: nothing is evicted" in capsys.readouterr().err
 
 
+def test_show_reads_the_prompt_before_loading_the_model(capsys, monkeypatch, tmp_path):
+    import refkv.model.loading as loading
+
+    monkeypatch.setattr(loading, "load_with_tokenizer", lambda *a, **k: pytest.fail("model loaded"))
+    assert main(["show", "--prompt-file", str(tmp_path / "missing.txt"), "--model", "tiny"]) == 2
+    assert "--prompt-file" in capsys.readouterr().err
+    assert main(["show", "   ", "--model", "tiny"]) == 2
+    assert "must not be empty" in capsys.readouterr().err
+    assert main(["show", "bad \udc80 byte", "--model", "tiny"]) == 2
+    assert "not valid UTF-8" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--passkey", "10"], "--passkey must be"),
     (["--passkey", "300", "--key", "7"], "--key must be"),
