@@ -119,6 +119,10 @@ class Exploration:
         The command that made it (shown on the page).
     notes : list of str
         Lines shown under the title (the question and its reference answer, for example).
+    n_layers, n_kv_heads : int
+        The model's.
+    max_new_tokens : int
+        The answers' limit (0: no answers were generated).
     """
 
     model: str
@@ -134,6 +138,7 @@ class Exploration:
     notes: list[str] = field(default_factory=list)
     n_layers: int = 0
     n_kv_heads: int = 0
+    max_new_tokens: int = 0
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -312,7 +317,8 @@ def explore(model, tokenizer, tokens: Sequence[int], specs: Sequence[str], *, bu
         reference = _answer(engine, engine.prefill(tokens), tokenizer, max_new_tokens)
     return Exploration(model=model.config.name, tokens=tokens, pieces=pieces, budget=budget, block=block,
                        n_blocks=n_blocks, runs=runs, reference=reference, highlights=marked, command=command,
-                       notes=list(notes), n_layers=model.config.n_layers, n_kv_heads=model.config.n_kv_heads)
+                       notes=list(notes), n_layers=model.config.n_layers, n_kv_heads=model.config.n_kv_heads,
+                       max_new_tokens=max_new_tokens)
 
 
 # -- the HTML page ---------------------------------------------------------------------------
@@ -332,14 +338,12 @@ def _show_piece(piece: str) -> str:
     return html.escape(piece) if piece else "\u200b"
 
 
-def _text_block(exp: Exploration, fraction: np.ndarray | None, index: int) -> str:
+def _text_block(exp: Exploration, fraction: np.ndarray, index: int) -> str:
+    """One policy's copy of the prompt: a span per token, coloured by ``fraction`` (T,)."""
     marked = {i for _, tokens in exp.highlights for i in tokens}
     spans = []
     for i, piece in enumerate(exp.pieces):
         cls = "t hl" if i in marked else "t"
-        if fraction is None:
-            spans.append(f'<span class="{cls}" data-i="{i}">{_show_piece(piece)}</span>')
-            continue
         colour = _fraction_colour(fraction[i])
         title = f"token {i}: kept by {fraction[i]:.0%} of (layer, KV head) pairs"
         spans.append(f'<span class="{cls}" data-i="{i}" data-bg="{colour}" style="background:{colour}" '
@@ -412,9 +416,10 @@ def render_html(exp: Exploration) -> str:
             items.append(f"<li><span class=\"hl\">{e(text)}</span> ({len(tokens)} tokens) kept by: {shares}</li>")
         highlights = ("<h2>Highlighted</h2><p>Share of (layer, KV head, token) kept at the end of the prefill:"
                       f"</p><ul>{''.join(items)}</ul>")
-    answers = ["<tr><th>no eviction</th><td>" + e(exp.reference or "(no answer asked for)") + "</td></tr>"]
+    none = "(empty: the model ended at once)" if exp.max_new_tokens else "(no answer asked for)"
+    answers = ["<tr><th>no eviction</th><td>" + e(exp.reference or none) + "</td></tr>"]
     for run in exp.runs:
-        answers.append(f"<tr><th>{e(run.label)}</th><td>{e(run.answer or '(no answer asked for)')}</td></tr>")
+        answers.append(f"<tr><th>{e(run.label)}</th><td>{e(run.answer or none)}</td></tr>")
     panels = []
     for index, run in enumerate(exp.runs):
         fraction = run.kept_fraction
