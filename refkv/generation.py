@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .engine import Engine
 
-__all__ = ["Generation", "example_passage", "generate_text"]
+__all__ = ["Generation", "example_answer", "example_passage", "example_question", "generate_text"]
 
 
 @dataclass(frozen=True)
@@ -161,3 +161,16 @@ def example_passage() -> str:
     from importlib.resources import files
 
     return files("refkv").joinpath("data", "example_passage.txt").read_text(encoding="utf-8")
+
+
+def example_question() -> str:
+    """The question at the end of :func:`example_passage` (its last line, without ``Question:``)."""
+    last = example_passage().strip().splitlines()[-1]
+    return last.removeprefix("Question:").strip()
+
+
+def example_answer() -> str:
+    """The reference answer to :func:`example_question`, from the passage (its designer and year)."""
+    from importlib.resources import files
+
+    return files("refkv").joinpath("data", "example_answer.txt").read_text(encoding="utf-8").strip()

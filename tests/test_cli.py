@@ -1,5 +1,6 @@
 """The ``refkv`` command: run and policies."""
 
+import re
 import subprocess
 import sys
 
@@ -131,7 +132,7 @@ def test_generate_on_the_tiny_model_reports_eviction(capsys, tmp_path):
     assert lines[0] == "loading tiny ..."
     # 210 prompt bytes + 2 of the 3 generated tokens were cached; tova keeps 64.
     assert "[evicted: 148 of 212 tokens in every layer and KV head (64 kept)]" in err
-    assert "threads 1, --threads]" in err
+    assert "BLAS threads: 1 (as asked by --threads)]" in err
 
 
 def test_generate_prompt_sources_are_exclusive_and_checked(capsys, tmp_path):
@@ -334,3 +335,92 @@ def test_generate_refuses_a_too_long_single_block_before_loading(capsys, monkeyp
     assert err.startswith("refkv: error: --policy mat with --budget 64 cannot process the prompt "
                           "(at least 100 tokens) as one block")
     assert "pass --block 60 or smaller" in err
+
+
+# -- the first hour (issue 24 B) ----------------------------------------------------------------
+def test_a_wrong_flag_shows_the_subcommands_usage_and_the_closest_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--example", "--max-tokens", "48"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: refkv generate ")  # the subcommand's usage, not the top level's
+    assert "error: unrecognized arguments: --max-tokens (did you mean --max-new-tokens?)" in err
+    with pytest.raises(SystemExit):
+        main(["run", "--polcy", "sink", "--budgett=4"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: refkv run ") and "did you mean --policy or --budget?" in err
+    with pytest.raises(SystemExit):
+        main(["run", "--zzzzzz"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --zzzzzz;" in err and "did you mean" not in err
+
+
+def test_policies_columns_line_up_for_every_name(capsys):
+    from refkv import policies
+
+    assert main(["policies"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 * len(policies.available())
+    width = max(map(len, policies.available())) + 2
+    for name, summary, paper in zip(policies.available(), lines[::2], lines[1::2]):
+        assert summary.startswith(name) and summary[len(name):width].strip() == "" and summary[width] != " "
+        assert paper[:width].strip() == "" and paper[width:].startswith("paper: ")
+
+
+def test_generate_example_says_what_to_compare(capsys):
+    from refkv.generation import example_answer, example_passage, example_question
+
+    assert example_question() in example_passage() and "1879" in example_passage()
+    assert "Agnes Ruddock" in example_answer() and "1879" in example_answer()
+    assert main(["generate", "--example", "--model", "tiny", "--policy", "sink", "--budget", "64", "--block",
+                 "32", "--max-new-tokens", "1", "--threads", "1"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[-3:] == [f"[question: {example_question()}]",
+                        f"[reference answer, from the passage: {example_answer()}]",
+                        "[compare: are the name and the year in the answer above? Run it again without --budget "
+                        "for the model's answer with nothing evicted]"]
+    assert main(["generate", "--example", "--model", "tiny", "--max-new-tokens", "1", "--threads", "1"]) == 0
+    assert "add --budget 128 --block 32" in capsys.readouterr().err
+
+
+def test_threads_line_is_plain_words():
+    from refkv.cli import _threads_line
+    from refkv.threads import ThreadChoice
+
+    assert _threads_line(ThreadChoice(1, "0.3 idle cores of 2")) == \
+        "BLAS threads: 1 (other programs are busy: 0.3 of 2 cores idle, so one thread)"
+    assert _threads_line(ThreadChoice(2, "measured, mean of 5 (1: 46.4 ms, 2: 30.2 ms)")) == \
+        "BLAS threads: 2 (the fastest when timed: 1 thread 46.4 ms, 2 threads 30.2 ms)"
+    assert _threads_line(ThreadChoice(3, "--threads")) == "BLAS threads: 3 (as asked by --threads)"
+
+
+def _sample_lines(text: str) -> list[str]:
+    """Output lines without what changes from run to run: progress lines, times, the thread choice."""
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("prefill: ") or not line.strip():
+            continue
+        line = re.sub(r"\d+\.\d+ s\b", "T s", line)
+        line = re.sub(r"BLAS threads: .*\]$", "BLAS threads: ...]", line)
+        lines.append(line)
+    return lines
+
+
+def test_quick_start_sample_output_is_a_real_run(smollm2, smollm2_tokenizer, capsys, monkeypatch):
+    """The quick start's sample output is what its command prints (timings and threads aside)."""
+    import pathlib
+    import shlex
+
+    import refkv.model.loading as loading
+
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "guide" / "quickstart.rst").read_text(
+        encoding="utf-8")
+    command = re.search(r"^    (refkv generate --example .*)$", page, re.M).group(1)
+    sample = re.search(r"\.\. code-block:: text\n   :class: sample-output\n\n((?:   .*\n)+)", page).group(1)
+    monkeypatch.setattr(loading, "load_with_tokenizer", lambda name, dtype=None: (smollm2, smollm2_tokenizer))
+    assert main([*shlex.split(command)[1:], "--threads", "1"]) == 0
+    out, err = capsys.readouterr()
+    err_lines = err.splitlines()
+    ran = _sample_lines("\n".join([err_lines[0], *out.splitlines(), *err_lines[1:]]))
+    shown = _sample_lines("\n".join(line[3:] for line in sample.splitlines()))
+    assert shown == ran

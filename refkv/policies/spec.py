@@ -19,7 +19,7 @@ import ast
 
 from .base import Policy, get, policy_class
 
-__all__ = ["canonical_spec", "make_policy", "parse_params", "parse_spec", "parse_value"]
+__all__ = ["canonical_spec", "make_policy", "parse_params", "parse_spec", "parse_spec_list", "parse_value"]
 
 
 def parse_value(raw: str):
@@ -82,6 +82,34 @@ def parse_spec(spec: str) -> tuple[str, dict]:
             key, value = _assignment(item, f"policy spec {spec!r}: parameters")
             params[key] = value
     return name, params
+
+
+def parse_spec_list(text: str) -> list[str]:
+    """Comma-separated specs -> one spec per policy: ``"h2o,caote:base=snapkv,fast=True,tova"``
+    -> ``["h2o", "caote:base=snapkv,fast=True", "tova"]``.
+
+    An item that looks like ``name=value`` (an ``=`` before any ``:``) continues the
+    previous spec's parameters; any other item starts a new spec. Each spec is checked with
+    :func:`parse_spec` (ValueError naming an unknown policy or a malformed parameter).
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"policy list must be a non-empty string like 'h2o,keydiff', got {text!r}")
+    specs: list[str] = []
+    for item in _split_top_level(text):
+        item = item.strip()
+        if not item:
+            raise ValueError(f"policy list {text!r} has an empty item (two commas in a row, or a trailing comma)")
+        head = item.split(":", 1)[0]
+        if "=" in head:
+            if not specs or ":" not in specs[-1]:
+                raise ValueError(f"policy list {text!r}: parameter {item!r} follows no 'name:' spec "
+                                 f"(write name:{item})")
+            specs[-1] += "," + item
+        else:
+            specs.append(item)
+    for spec in specs:
+        parse_spec(spec)
+    return specs
 
 
 def _format_value(value) -> str:
