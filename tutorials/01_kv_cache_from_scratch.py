@@ -12,10 +12,12 @@ checks a from-scratch cached decoder against refkv's own model and engine.
 Everything here runs on random weights: the argument is algebra, not training.
 """
 
-import matplotlib.pyplot as plt
 import numpy as np
 
 import refkv
+from refkv.figures import pyplot
+
+plt = pyplot("Tutorial 1")  # matplotlib.pyplot, or one line saying how to install it
 
 rng = np.random.default_rng(0)
 
@@ -131,16 +133,41 @@ fig.tight_layout()
 # What the cache buys
 # -------------------
 #
-# Without a cache, step :math:`t` projects all :math:`t+1` tokens again: :math:`\sum_t
-# (t+1) = T(T+1)/2` projections for a sequence. With it, one per step: :math:`T`. The
-# price is memory: the cache grows by one key and one value per token, per layer and per
-# KV head. That growth is what eviction policies, the subject of the other tutorials,
-# keep under a budget.
+# Without a cache, generating token :math:`t+1` means running the *whole model* again
+# over all :math:`t+1` tokens: in every layer, the projections of every token, the
+# attention of every earlier query (whose outputs nobody reads any more), and the MLP of
+# every token. Over a sequence that is :math:`\sum_t (t+1) = T(T+1)/2` token passes
+# through each layer's projections and MLP, and :math:`\sum_t (t+1)(t+2)/2 \approx
+# T^3/6` query-key products per head. With the cache, each step passes one token through
+# the layer and computes one row of :math:`t+1` products: :math:`T` passes and
+# :math:`T(T+1)/2` products. Counted on our head, by running both routes and tallying
+# what they compute, and checking the formulas:
+
+passes = {"recompute": 0, "cache": 0}
+products = {"recompute": 0, "cache": 0}
+counting_cache = Cache()
+for t in range(T):
+    _, A_t = full_attention(X[:t + 1])                     # no cache: the whole prefix again
+    passes["recompute"] += len(A_t)                        # tokens through W_q, W_k, W_v
+    products["recompute"] += np.count_nonzero(np.tri(len(A_t)))   # unmasked entries of A_t
+    decode_step(counting_cache, X[t])                      # cache: one token
+    passes["cache"] += 1
+    products["cache"] += len(counting_cache.K)             # q_t against every cached key
+assert passes["recompute"] == products["cache"] == T * (T + 1) // 2
+assert products["recompute"] == T * (T + 1) * (T + 2) // 6
+print(f"T = {T}: token passes {passes['recompute']} vs {passes['cache']}, "
+      f"query-key products {products['recompute']} vs {products['cache']} (recompute vs cache)")
 
 for T_long in (1_000, 10_000, 100_000):
-    print(f"T = {T_long:>7,}: recompute {T_long * (T_long + 1) // 2:>14,} projections, "
-          f"cache {T_long:>7,}")
+    print(f"T = {T_long:>7,}: token passes {T_long * (T_long + 1) // 2:>14,} vs {T_long:>7,}, "
+          f"products {T_long * (T_long + 1) * (T_long + 2) // 6:>22,} vs {T_long * (T_long + 1) // 2:>14,}")
 
+# %%
+# The price is memory: the cache grows by one key and one value per token, per layer and
+# per KV head -- for a real model tens to hundreds of KiB per token (tutorial 0 does the
+# arithmetic). That growth is what eviction policies, the subject of the other tutorials,
+# keep under a budget.
+#
 # %%
 # A whole decoder, cached by hand, checked against refkv
 # ------------------------------------------------------
@@ -203,8 +230,9 @@ print("refkv's layer-0 cache holds", len(engine.caches[0]), "tokens, keys of sha
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as
-# ``python tutorials/01_kv_cache_from_scratch.py``, the script saves them as PNG files next to itself (or in
-# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# ``python tutorials/01_kv_cache_from_scratch.py``, the script saves them as PNG files in
+# ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
+# environment variable), never in the source tree, and prints each path;
 # :func:`refkv.figures.save_figures` does it.
 
 from refkv.figures import save_figures

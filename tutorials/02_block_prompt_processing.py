@@ -11,10 +11,12 @@ Sec. 2.4) makes the budget hold all the time by reading the prompt in blocks of
 changes the answer.
 """
 
-import matplotlib.pyplot as plt
 import numpy as np
 
 import refkv
+from refkv.figures import pyplot
+
+plt = pyplot("Tutorial 2")  # matplotlib.pyplot, or one line saying how to install it
 
 model = refkv.load("tiny")           # 4 layers, 4 query heads, 2 KV heads, d_head = 16
 rng = np.random.default_rng(0)
@@ -164,8 +166,9 @@ print("hashevict evicts before attention:", engine.policy.evict_before_attention
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as
-# ``python tutorials/02_block_prompt_processing.py``, the script saves them as PNG files next to itself (or in
-# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# ``python tutorials/02_block_prompt_processing.py``, the script saves them as PNG files in
+# ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
+# environment variable), never in the source tree, and prints each path;
 # :func:`refkv.figures.save_figures` does it.
 
 from refkv.figures import save_figures

@@ -23,13 +23,15 @@ This tutorial sees that line happen, measures how noisy the estimate is for the 
 :math:`c = 16` bits, and runs the policy.
 """
 
-import matplotlib.pyplot as plt
 import numpy as np
 from scipy.stats import spearmanr
 
 import refkv
+from refkv.figures import pyplot
 from refkv.lsh import gaussian_planes, hamming, hamming_unpacked, pack_codes, simhash
 from refkv.policies import Policy
+
+plt = pyplot("Tutorial 5")  # matplotlib.pyplot, or one line saying how to install it
 
 # %%
 # One bit is one hyperplane
@@ -183,8 +185,9 @@ print("hash table of layer 0:", engine.caches[0].fields["hash_code"].shape, "uin
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as
-# ``python tutorials/05_hashevict.py``, the script saves them as PNG files next to itself (or in
-# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# ``python tutorials/05_hashevict.py``, the script saves them as PNG files in
+# ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
+# environment variable), never in the source tree, and prints each path;
 # :func:`refkv.figures.save_figures` does it.
 
 from refkv.figures import save_figures

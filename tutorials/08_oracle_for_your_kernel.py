@@ -29,9 +29,12 @@ from hypothesis import given, settings
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from refkv import policies
+from refkv.figures import pyplot
 from refkv.oracle import generate_suite
 from refkv.testing import assert_case, assert_same_retention, assert_scores_close, load_cases
 from refkv.testing import strategies as kvst
+
+plt = pyplot("Tutorial 8")  # matplotlib.pyplot, or one line saying how to install it
 
 # %%
 # A kernel to test
@@ -128,6 +131,24 @@ check({"unit_anchor": False}, cases)
 check({"unit_anchor": True}, cases)
 
 # %%
+# The same verdict as a picture: on one case, each key's score from the kernel against
+# refkv's reference score, for both versions. The fixed kernel lies on the diagonal; the
+# buggy one scatters, and the kept set changes with it.
+
+case = next(c for c in cases if c.dtype == "float64")
+reference = case.outputs["scores"]
+fig, ax = plt.subplots(figsize=(5, 4.2))
+for options, label, marker in (({"unit_anchor": False}, "raw-key anchor (bug)", "x"),
+                               ({"unit_anchor": True}, "unit-key anchor (Eq. 8)", "o")):
+    ax.scatter(reference.ravel(), my_keydiff(case.inputs["keys"], case.budget, **options)[0].ravel(),
+               marker=marker, s=18, label=label, alpha=0.8)
+lims = (reference.min() - 0.1, reference.max() + 0.1)
+ax.plot(lims, lims, color="grey", lw=1, ls="--")
+ax.set(xlabel="refkv's score (golden file)", ylabel="kernel's score", title=f"KeyDiff scores, case {case}")
+ax.legend(fontsize=8)
+fig.tight_layout()
+
+# %%
 # All pass. The ties line matters: where your kernel keeps another token than refkv,
 # ``assert_case`` accepts it only when the two tokens' reference scores are equal within
 # the tolerance (a *tie*), and returns these swaps so you can see them. refkv's own rule is
@@ -191,3 +212,16 @@ print("60 drawn caches: scores and kept tokens agree with refkv")
 # rules and the end-to-end format.
 
 workdir.cleanup()
+
+# %%
+# Saving the figures
+# ------------------
+# In the documentation the figures above are part of the page. Run by hand, as
+# ``python tutorials/08_oracle_for_your_kernel.py``, the script saves them as PNG files in
+# ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
+# environment variable), never in the source tree, and prints each path;
+# :func:`refkv.figures.save_figures` does it.
+
+from refkv.figures import save_figures
+
+save_figures()
