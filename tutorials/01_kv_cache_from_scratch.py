@@ -125,7 +125,7 @@ ax0.set(title="causal attention weights A", xlabel="key position j", ylabel="que
 fig.colorbar(im, ax=ax0, fraction=0.046)
 ax1.semilogy(np.arange(T), np.maximum(error, 1e-18), "o-")
 ax1.axhline(np.finfo(np.float64).eps, color="grey", ls="--", label="float64 eps")
-ax1.set(title="|cached - recomputed|, per token", xlabel="token t", ylim=(1e-18, 1e-12))
+ax1.set(title="|cached - recomputed|, per token", xlabel="token t", ylim=(1e-18, 1e-12), xticks=range(0, T, 2))
 ax1.legend()
 fig.tight_layout()
 
