@@ -15,6 +15,8 @@ import numpy as np
 
 import refkv
 from refkv.figures import pyplot
+from refkv.policies import select
+from refkv.policies.keydiff import anchor_scores
 
 plt = pyplot("Tutorial 2")  # matplotlib.pyplot, or one line saying how to install it
 
@@ -44,6 +46,68 @@ print(model, "| prompt of", T, "tokens")
 # Fig. 1). So a block attends to at most :math:`N + B` keys, and the next block sees the
 # evicted cache.
 #
+# The loop by hand
+# ----------------
+#
+# Before handing the loop to refkv, write it. The model's pieces (``embed``, ``rope``,
+# ``qkv``, ``attn_out``, ``mlp``, ``head``; tutorial 1 uses them the same way) and one
+# cache per layer: keys, values and the positions they came from. In each layer, for
+# each block: **append** the block's keys and values, **attend** (the block's queries
+# over cache and block, causal within the block), **score** every cached token -- here
+# with KeyDiff's Eq. 8, :func:`refkv.policies.keydiff.anchor_scores` -- and **keep the
+# top** :math:`N` with :func:`refkv.policies.select`.
+
+
+def softmax(z):
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def block_prefill(model, tokens, N, B):
+    """KeyDiff Eq. 6 by hand: the last logits and each layer's kept positions (Hkv, N)."""
+    cfg = model.config
+    g = cfg.n_heads // cfg.n_kv_heads                         # query heads per KV head
+    empty = np.zeros((cfg.n_kv_heads, 0, cfg.d_head), dtype=model.dtype)
+    K, V = [empty] * cfg.n_layers, [empty] * cfg.n_layers
+    P = [np.zeros((cfg.n_kv_heads, 0), dtype=np.int64)] * cfg.n_layers
+    for start in range(0, len(tokens), B):
+        block = tokens[start:start + B]
+        pos = np.arange(start, start + len(block))
+        rope, x = model.rope(pos), model.embed(block)
+        for l in range(cfg.n_layers):
+            q, k, v = model.qkv(l, x, rope)                   # (H, B, d), (Hkv, B, d), (Hkv, B, d)
+            K[l] = np.concatenate([K[l], k], axis=1)          # 1. append
+            V[l] = np.concatenate([V[l], v], axis=1)
+            P[l] = np.concatenate([P[l], np.broadcast_to(pos, (cfg.n_kv_heads, len(pos)))], axis=1)
+            logits = q @ np.repeat(K[l], g, axis=0).transpose(0, 2, 1) / np.sqrt(cfg.d_head)
+            future = np.repeat(P[l], g, axis=0)[:, None, :] > pos[None, :, None]
+            attention = softmax(np.where(future, -np.inf, logits))   # 2. attend: (H, B, n)
+            x = x + model.attn_out(l, attention @ np.repeat(V[l], g, axis=0))
+            x = x + model.mlp(l, x)
+            if K[l].shape[1] > N:
+                scores = anchor_scores(K[l])                  # 3. score: (Hkv, n)
+                keep = select(scores, P[l], N)                # 4. keep the top N per head
+                K[l] = np.take_along_axis(K[l], keep[..., None], axis=1)
+                V[l] = np.take_along_axis(V[l], keep[..., None], axis=1)
+                P[l] = np.take_along_axis(P[l], keep, axis=1)
+    return model.head(x[-1:])[0], P
+
+
+N, B = 64, 32
+by_hand, kept_by_hand = block_prefill(model, tokens, N, B)
+engine = refkv.Engine(model, "keydiff", budget=N)
+logits = engine.prefill(tokens, block_size=B)
+same_kept = all(np.array_equal(kept_by_hand[l], engine.caches[l].positions) for l in range(model.config.n_layers))
+print("same kept positions in every layer and head:", same_kept)
+print(f"last logits, by hand vs Engine: {np.abs(by_hand - logits).max() / np.abs(logits).max():.1e} (relative)")
+assert same_kept and np.allclose(by_hand, logits, rtol=0, atol=1e-9 * np.abs(logits).max())
+
+# %%
+# Twenty lines, the same decisions as the engine's and the same logits to rounding. The
+# engine adds what the loop leaves out: attention in tiles that never forms the matrix
+# when the policy does not need it, policies with state and protected tokens, eviction
+# before attention, and the checks and records used below.
+#
 # Blocks bound the cache
 # ----------------------
 #
@@ -51,7 +115,6 @@ print(model, "| prompt of", T, "tokens")
 # i.e. :math:`B = T`, the setting of most eviction papers) peaks at the whole prompt; with
 # blocks the peak is :math:`N + B`, whatever the prompt length.
 
-N = 64
 print(f"{'B':>6} {'peak cache':>11} {'evictions':>10} {'KV bytes after':>15}")
 for B in (None, 128, 32, 8):
     engine = refkv.Engine(model, "keydiff", budget=N)
