@@ -227,6 +227,47 @@ print("refkv's layer-0 cache holds", len(engine.caches[0]), "tokens, keys of sha
 # the cache will not be allowed to hold every token: tutorial 2 puts it under a budget.
 
 # %%
+# Exercises
+# ---------
+#
+# 1. A 1,000-token prompt, then 100 generated tokens. How many token passes through a
+#    layer does that cost with the cache, and without it (every step re-runs the whole
+#    sequence)?
+# 2. The cache is exact *because attention is causal*. Drop the mask from
+#    ``full_attention`` (every token sees every other) and compare with the cached
+#    outputs again: which rows still agree?
+# 3. Check that refkv's engine, reading the 40 tokens in blocks of 7, gives the same logits
+#    as ``forward_full``.
+#
+# Solutions
+# ---------
+# (The test suite runs these lines; a wrong solution fails it.)
+
+# 1. With the cache: 1,000 for the prompt, then one per generated token. Without: step t
+#    re-runs all t + 1 tokens, for t = 1000, ..., 1099 (the prompt read once first).
+with_cache = 1000 + 100
+without = 1000 + sum(t + 1 for t in range(1000, 1100))
+print(f"exercise 1: {with_cache:,} vs {without:,} token passes")
+assert without == 1000 + 100 * 1001 + 100 * 99 // 2
+
+
+# 2. Without the mask, output t mixes the values of tokens after t, which the cache at
+#    step t has not seen yet: only the last row, which sees everything either way, agrees.
+def bidirectional(X):
+    Q, K, V = X @ W_q, X @ W_k, X @ W_v
+    return softmax(Q @ K.T / np.sqrt(d)) @ V
+
+
+rows_agree = np.isclose(bidirectional(X), O_cached, rtol=0, atol=1e-12).all(axis=-1)
+print("exercise 2: rows that agree without the mask:", np.flatnonzero(rows_agree))
+assert np.flatnonzero(rows_agree).tolist() == [T - 1]
+
+# 3. Any block size gives the same logits as recomputation when nothing is evicted.
+blocked = refkv.Engine(model, "full").prefill(tokens, block_size=7)
+print(f"exercise 3: blocks of 7 vs forward_full: {np.abs(blocked - recomputed[-1]).max() / scale:.1e}")
+assert np.allclose(blocked, recomputed[-1], rtol=0, atol=1e-12 * scale)
+
+# %%
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as

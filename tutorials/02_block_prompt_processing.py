@@ -63,7 +63,11 @@ def softmax(z):
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def block_prefill(model, tokens, N, B):
+def keydiff_score(keys, positions):
+    return anchor_scores(keys)                                # KeyDiff Eq. 8, per head
+
+
+def block_prefill(model, tokens, N, B, score=keydiff_score):
     """KeyDiff Eq. 6 by hand: the last logits and each layer's kept positions (Hkv, N)."""
     cfg = model.config
     g = cfg.n_heads // cfg.n_kv_heads                         # query heads per KV head
@@ -85,7 +89,7 @@ def block_prefill(model, tokens, N, B):
             x = x + model.attn_out(l, attention @ np.repeat(V[l], g, axis=0))
             x = x + model.mlp(l, x)
             if K[l].shape[1] > N:
-                scores = anchor_scores(K[l])                  # 3. score: (Hkv, n)
+                scores = score(K[l], P[l])                    # 3. score: (Hkv, n)
                 keep = select(scores, P[l], N)                # 4. keep the top N per head
                 K[l] = np.take_along_axis(K[l], keep[..., None], axis=1)
                 V[l] = np.take_along_axis(V[l], keep[..., None], axis=1)
@@ -112,8 +116,9 @@ assert same_kept and np.allclose(by_hand, logits, rtol=0, atol=1e-9 * np.abs(log
 # ----------------------
 #
 # The engine records the largest cache it ever held. One-shot prefill (``block_size=None``,
-# i.e. :math:`B = T`, the setting of most eviction papers) peaks at the whole prompt; with
-# blocks the peak is :math:`N + B`, whatever the prompt length.
+# i.e. :math:`B = T`, the setting of most eviction papers) peaks at the whole prompt.
+# **Predict, then run:** what is the peak with blocks of :math:`B` under :math:`N = 64`,
+# and how many evictions does a 384-token prompt in blocks of 32 make in 4 layers?
 
 print(f"{'B':>6} {'peak cache':>11} {'evictions':>10} {'KV bytes after':>15}")
 for B in (None, 128, 32, 8):
@@ -224,6 +229,46 @@ engine = refkv.Engine(model, "hashevict", budget=N)
 engine.prefill(tokens, block_size=16)
 print("hashevict evicts before attention:", engine.policy.evict_before_attention,
       "| peak cache:", engine.stats.peak_cache_tokens, "= N")
+
+# %%
+# Exercises
+# ---------
+#
+# 1. Predict the peak cache for :math:`N = 100`, :math:`B = 50`, then run it.
+# 2. Give ``block_prefill`` a score that is just the position (newer is better). Which
+#    registered policy have you written? Check it against the engine.
+# 3. How many evictions does the engine make for :math:`T = 384`, :math:`N = 64`,
+#    :math:`B = 32` in this 4-layer model? Derive it before counting.
+#
+# Solutions
+# ---------
+# (The test suite runs these lines; a wrong solution fails it.)
+
+# 1. Append, then evict: the peak is N + B = 150.
+engine = refkv.Engine(model, "keydiff", budget=100)
+engine.prefill(tokens, block_size=50)
+print("exercise 1: peak", engine.stats.peak_cache_tokens)
+assert engine.stats.peak_cache_tokens == 150
+
+
+# 2. Recency keeps the last N tokens: a sliding window, StreamingLLM without sinks (``sink``
+#    with ``sink=0``; tutorial 0).
+def recency(keys, positions):
+    return positions.astype(np.float64)
+
+
+_, kept_window = block_prefill(model, tokens, 64, 32, score=recency)
+engine = refkv.Engine(model, refkv.policies.get("sink", sink=0), budget=64)
+engine.prefill(tokens, block_size=32)
+same = all(np.array_equal(kept_window[l], engine.caches[l].positions) for l in range(model.config.n_layers))
+print("exercise 2: recency == sink(sink=0):", same, "| kept", kept_window[0][0, [0, -1]])
+assert same and kept_window[0][0].tolist() == list(range(T - 64, T))
+
+# 3. 12 blocks; the first two fit (32, 64 <= N), the other 10 overflow in each of 4 layers.
+engine = refkv.Engine(model, "keydiff", budget=64)
+engine.prefill(tokens, block_size=32)
+print("exercise 3:", engine.stats.evictions, "evictions")
+assert engine.stats.evictions == (T // 32 - 2) * model.config.n_layers == 40
 
 # %%
 # Saving the figures

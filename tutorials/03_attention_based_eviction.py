@@ -257,6 +257,36 @@ assert abs(recent_share["tova"] - recent_share["random"]) < 0.1
 # goes the other way and adds the values to these scores.
 
 # %%
+# Exercises
+# ---------
+#
+# Back to the 10-token matrix of the first section (``view``, ``h2o``, ``snap_sum``).
+#
+# 1. Without its protected recent window, which five tokens does H2O keep? Guess from
+#    the printed H2O row before computing.
+# 2. Set SnapKV's kernel to 1. What does its score become?
+# 3. Which SnapKV is TOVA?
+#
+# Solutions
+# ---------
+# (The test suite runs these lines; a wrong solution fails it.)
+
+# 1. The five oldest: seniority again (every query saw them).
+h2o_unprotected = pos[select(h2o[None], positions, 5)[0]]
+print("exercise 1: H2O without protection keeps", h2o_unprotected)
+assert h2o_unprotected.tolist() == [0, 1, 2, 3, 4]
+
+# 2. A kernel of 1 averages each score with nothing: the plain sum of the last w rows.
+snap_k1 = refkv.policies.get("snapkv", window=window, kernel=1).score(view)[0]
+print("exercise 2: SnapKV with k = 1 == sum of the last w rows:", np.allclose(snap_k1, snap_sum, atol=1e-15))
+assert np.allclose(snap_k1, snap_sum, rtol=0, atol=1e-15)
+
+# 3. A window of one query and no pooling: the last row, TOVA's score.
+snap_as_tova = refkv.policies.get("snapkv", window=1, kernel=1).score(view)[0]
+print("exercise 3: SnapKV(w = 1, k = 1) == TOVA:", np.allclose(snap_as_tova, tova, atol=1e-15))
+assert np.allclose(snap_as_tova, tova, rtol=0, atol=1e-15)
+
+# %%
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as
