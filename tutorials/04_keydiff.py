@@ -29,6 +29,7 @@ import refkv
 from refkv.figures import pyplot
 from refkv.model import load_with_tokenizer
 from refkv.model.gguf import ModelNotFoundError
+from refkv.policies import select
 from refkv.policies.keydiff import anchor, anchor_scores, pairwise_scores
 from refkv.recording import Recorder
 
@@ -215,6 +216,36 @@ for name, values in log_volume.items():
 # the Experiments page). And note what KeyDiff never needed: the attention weights. In
 # the engine it runs with attention computed tile by tile, never formed
 # (``engine.stats.attention_materialised`` stays 0; tutorial 3).
+
+# %%
+# Exercises
+# ---------
+#
+# 1. The L2-norm policy (Devoto et al., 2024; ``knorm``) keeps the keys of *lowest* norm.
+#    Write its score in one line, keep :math:`N = 64` on layer 20, head 0 with
+#    :func:`refkv.policies.select`, and compare with refkv's ``knorm`` and with KeyDiff.
+# 2. Predict first: in how many of the 90 heads does KeyDiff keep the first token (the
+#    attention sink) at :math:`N = 64`?
+#
+# Solutions
+# ---------
+# (The test suite runs these lines; a wrong solution fails it.)
+
+# 1. Score = minus the norm; the rest is the shared top-N.
+l2_score = -np.linalg.norm(views[LAYER].keys.astype(np.float64), axis=-1)          # (Hkv, T)
+l2_kept = set(select(l2_score, views[LAYER].positions, N)[HEAD])
+knorm_kept = set(kept_by(refkv.policies.get("knorm"), views[LAYER])[HEAD])
+print(f"exercise 1: ours == knorm: {l2_kept == knorm_kept}; shares {len(l2_kept & kept_sets['keydiff'])} "
+      f"of {N} with KeyDiff")
+assert l2_kept == knorm_kept
+
+# 2. Count the heads whose kept columns include column 0 (position 0). Nearly all: the
+#    sink's key is the most distinctive of its head (the cosine picture above), so
+#    KeyDiff keeps StreamingLLM's first token without being told to.
+keydiff = policies["keydiff"]
+keeps_first = sum(int(0 in kept_by(keydiff, v)[h]) for v in views for h in range(v.n_kv_heads))
+print(f"exercise 2: KeyDiff keeps token 0 in {keeps_first} of {len(views) * views[0].n_kv_heads} heads")
+assert keeps_first > 0.8 * len(views) * views[0].n_kv_heads
 
 # %%
 # Saving the figures

@@ -187,6 +187,37 @@ print("stored logits of layer 20 (float64, per KV head and token):", engine.cach
 # as "anchor-like" can be read directly.
 
 # %%
+# Exercises
+# ---------
+#
+# 1. Predict what MAT keeps in a deep layer with :math:`\beta = 1`, then check with
+#    :func:`refkv.policies.mat.closed_form_keep` on layer 20's :math:`\pi`.
+# 2. The closed form equals Eq. 4 streamed token by token on layer 20. Check it on every
+#    deep layer.
+#
+# Solutions
+# ---------
+# (The test suite runs these lines; a wrong solution fails it.)
+
+# 1. An anchor cache of one token: the first (always an anchor), plus the last N - 1.
+kept_b1 = closed_form_keep(pi20, positions, N, 1)
+print("exercise 1: beta = 1 keeps", positions[0][kept_b1[0]][:3], "...", positions[0][kept_b1[0]][-2:])
+assert all(positions[0][kept_b1[h]].tolist() == [0, *range(T - N + 1, T)] for h in range(cfg.n_kv_heads))
+
+
+# 2. Every deep layer (2..29), every KV head.
+def pi_of(layer):
+    v = views[layer]
+    return anchor_logits(v.queries_by_kv_head().astype(np.float64), v.keys[:, None, 0].astype(np.float64)).mean(axis=1)
+
+
+agree = [np.array_equal(closed_form_keep(pi_of(layer), views[layer].positions, N, beta),
+                        streaming_keep(pi_of(layer), views[layer].positions, N, beta))
+         for layer in range(2, cfg.n_layers)]
+print(f"exercise 2: closed form == streaming in {sum(agree)} of {len(agree)} deep layers")
+assert all(agree)
+
+# %%
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as

@@ -214,6 +214,33 @@ assert worst(from_mean, mean_change) > 0.01
 # propagate, which no per-step score accounts for.
 
 # %%
+# Exercises
+# ---------
+#
+# 1. Predict what happens to every :math:`c_j` when all values are shifted by the same
+#    vector, then check on the 9-token example.
+# 2. With uniform attention, which token does CAOTE evict?
+#
+# Solutions
+# ---------
+# (The test suite runs these lines; a wrong solution fails it.)
+
+# 1. Nothing: V alpha - v_j is unchanged by a common shift, because the weights sum to 1.
+rng_ex = np.random.default_rng(70)
+alpha9 = rng_ex.dirichlet(np.ones(9))
+values9 = rng_ex.standard_normal((9, 2))
+shifted = caote_scores(alpha9, values9 + np.array([5.0, -3.0]))
+print("exercise 1: c unchanged by a shift:", np.allclose(shifted, caote_scores(alpha9, values9), atol=1e-12))
+assert np.allclose(shifted, caote_scores(alpha9, values9), rtol=0, atol=1e-12)
+
+# 2. alpha_j / (1 - alpha_j) is the same for all j, so c_j ranks by |mean value - v_j|:
+#    CAOTE evicts the value nearest the mean.
+uniform = np.full(9, 1 / 9)
+nearest = int(np.argmin(np.linalg.norm(values9 - values9.mean(axis=0), axis=1)))
+print("exercise 2: CAOTE evicts", int(np.argmin(caote_scores(uniform, values9))), "| nearest the mean:", nearest)
+assert int(np.argmin(caote_scores(uniform, values9))) == nearest
+
+# %%
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as

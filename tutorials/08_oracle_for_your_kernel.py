@@ -108,10 +108,10 @@ print("modes:", sorted({case.mode for case in cases}))
 # would be one ``pytest`` parameter; here we loop and print what fails.
 
 
-def check(kernel_options, cases):
+def check(kernel_options, cases, kernel=my_keydiff):
     failures, ties = 0, 0
     for case in cases:
-        scores, kept = my_keydiff(case.inputs["keys"], case.budget, **kernel_options)
+        scores, kept = kernel(case.inputs["keys"], case.budget, **kernel_options)
         try:
             ties += len(assert_case(case, scores=scores, kept=kept))
         except AssertionError as error:
@@ -120,15 +120,16 @@ def check(kernel_options, cases):
                 print(str(error).splitlines()[0])
                 print("\n".join(str(error).splitlines()[1:4]))
     print(f"-> {failures} of {len(cases)} cases fail, {ties} ties accepted")
+    return failures
 
 
-check({"unit_anchor": False}, cases)
+_ = check({"unit_anchor": False}, cases)
 
 # %%
 # The first failing case names the case, the head and the position where the scores part
 # company, with both values. The fix is the one-word change to Eq. 8's anchor:
 
-check({"unit_anchor": True}, cases)
+_ = check({"unit_anchor": True}, cases)
 
 # %%
 # The same verdict as a picture: on one case, each key's score from the kernel against
@@ -212,6 +213,41 @@ print("60 drawn caches: scores and kept tokens agree with refkv")
 # rules and the end-to-end format.
 
 workdir.cleanup()
+
+# %%
+# Exercises
+# ---------
+#
+# 1. A sign slip: a kernel that keeps the *lowest* scores. Which cases catch it?
+# 2. A kernel that scores in float32 whatever the input. Does it pass the float64 cases?
+#
+# Solutions
+# ---------
+# (The test suite runs these lines; a wrong solution fails it.)
+
+
+# 1. Every case that evicts anything (n > budget) fails; cases keeping all tokens cannot tell.
+def lowest_first(keys, budget):
+    scores, _ = my_keydiff(keys, budget)
+    m = min(budget, keys.shape[1])
+    return scores, np.sort(np.argsort(scores, axis=-1, kind="stable")[:, :m], axis=-1)
+
+
+evicting = sum(case.sizes["n"] > case.budget for case in cases)
+failed = check({}, cases, kernel=lowest_first)
+print(f"exercise 1: {failed} failures; {evicting} cases evict")
+assert failed == evicting
+
+
+# 2. float32 rounding (about 1e-7) is far above a float64 case's tolerance: it fails there,
+#    and passes the float32 cases.
+def single_precision(keys, budget):
+    return my_keydiff(keys.astype(np.float32), budget)
+
+
+failed = check({}, [c for c in cases if c.dtype == "float64"], kernel=single_precision)
+print("exercise 2:", failed, "float64 cases fail")
+assert failed > 0 and check({}, [c for c in cases if c.dtype == "float32"], kernel=single_precision) == 0
 
 # %%
 # Saving the figures
