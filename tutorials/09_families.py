@@ -171,16 +171,18 @@ def answer_nll(engine, logits, reference):
 
 
 def run(name, budget, reference=None):
-    """Prefill under ``budget``: the answer, each token's kept share, the reference's NLL."""
+    """Prefill under ``budget``: the answer, each token's kept share, the NLL of
+    ``reference`` (default: of the answer itself) and the answer's tokens."""
     engine = refkv.Engine(model, name, budget=budget)
     logits = engine.prefill(tokens)
     share = np.zeros(T)                                     # fraction of (layer, head) pairs keeping each token
     for cache in engine.caches:
         for head in cache.positions:
             share[head] += 1 / (len(engine.caches) * len(cache.positions))
-    nll = None if reference is None else answer_nll(copy.deepcopy(engine), logits, reference)
-    answer = tokenizer.decode(list(engine.generate(logits, max_new_tokens=10)))
-    return answer, share, nll
+    before = copy.deepcopy(engine, memo={id(model): model})  # the caches, not the model's weights
+    generated = np.array(engine.generate(logits, max_new_tokens=10))
+    nll = answer_nll(before, logits, generated if reference is None else reference)
+    return tokenizer.decode(list(generated)), share, nll, generated
 
 
 if model is not None:
@@ -191,9 +193,9 @@ if model is not None:
     starts = np.cumsum([0, *map(len, pieces)])[:-1]         # character offset of each token
     first = int(np.searchsorted(starts, fact))              # first token of the fact's sentences
     span = np.arange(first, first + 60)
-    full_answer = run("full", None)[0]
-    reference = np.array(tokenizer.encode(full_answer))     # the full cache's answer, as tokens
-    runs = {name: run(name, None if name == "full" else 96, reference) for name in NAMES}
+    runs = {"full": run("full", None)}
+    reference = runs["full"][3]                             # the full cache's answer tokens
+    runs.update({name: run(name, 96, reference) for name in NAMES[1:]})
 
 # %%
 # **Predict, then run.** Which of these policies still hold the sentence with the answer
@@ -244,7 +246,7 @@ if model is not None:
     for name in ("snapkv", "keydiff"):
         for N in (48, 96, 192):
             sweep[name, N] = runs[name] if N == 96 else run(name, N, reference)
-            answer, _, nll = sweep[name, N]
+            answer, _, nll, _ = sweep[name, N]
             print(f"{name:<8} {N:>4} {nll:6.3f}  {answer!r}")
     # What the next paragraph says: the full answer grows less likely as N shrinks.
     assert all(sweep[name, 192][2] < sweep[name, 48][2] for name in ("snapkv", "keydiff"))
