@@ -171,8 +171,9 @@ for name in ("tova", "h2o", "snapkv", "keydiff"):
     print(f"{name:<8} attention matrix formed in {s.attention_materialised:>2} of {s.attention_calls} layer calls")
 
 # %%
-# Where do the kept tokens lie? A histogram of the kept positions over all layers and KV
-# heads. To read it we need a baseline: a policy that scores every token at random,
+# Where do the kept tokens lie? **Predict, then run:** sketch, for each policy, where
+# along the 384 positions you expect its 64 kept tokens. Then the histogram of the kept
+# positions over all layers and KV heads. To read it we need a baseline: a policy that scores every token at random,
 # knowing nothing about it, run through the same blocks and budget.
 
 

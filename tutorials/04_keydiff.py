@@ -180,7 +180,8 @@ fig.tight_layout()
 # In this head the keys of the most recent tokens form one cluster (bottom left). Sink
 # keeps that window and the four first tokens, so its kept set is one tight clump.
 # KeyDiff takes keys from all over the cloud, including the far ends of the arc, and
-# leaves many of the crowded recent keys behind. TOVA is in between: it follows the last
+# leaves many of the crowded recent keys behind. (**Predict, then run:** how many of its
+# 64 does TOVA keep among the last 64 positions?) TOVA is in between: it follows the last
 # query's attention, which in a trained model is not local, so it keeps some of the
 # recent clump and spreads the rest over the arc. Counted:
 

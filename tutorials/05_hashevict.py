@@ -42,7 +42,8 @@ plt = pyplot("Tutorial 5")  # matplotlib.pyplot, or one line saying how to insta
 # different bits exactly when the hyperplane passes *between* them. In two dimensions a
 # random line through the origin separates two vectors at angle :math:`\theta` with
 # probability :math:`\theta / \pi` -- the angle they span out of the half-turn of possible
-# directions. Sixteen random lines (refkv's :func:`refkv.lsh.gaussian_planes`):
+# directions. **Predict, then run:** of sixteen random lines, how many separate two
+# vectors 1 radian apart? Sixteen random lines (refkv's :func:`refkv.lsh.gaussian_planes`):
 
 theta = 1.0                                             # radians, about 57 degrees
 x = np.array([1.0, 0.0])

@@ -66,7 +66,8 @@ print("largest |c - e| =", np.abs(closed - brute).max())
 print("refkv.theory.caote.eviction_errors agrees:", np.allclose(eviction_errors(logits, values), brute, rtol=1e-12))
 
 # %%
-# The closed form is the brute force, to rounding. Now compare the two choices of whom to
+# The closed form is the brute force, to rounding. **Predict, then run:** does the token
+# with the smallest weight also move the output least? Compare the two choices of whom to
 # evict: the smallest attention weight (what TOVA would do with this query) and the
 # smallest :math:`c_j`.
 

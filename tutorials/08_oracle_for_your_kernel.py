@@ -103,7 +103,8 @@ print("modes:", sorted({case.mode for case in cases}))
 # Checking the kernel
 # -------------------
 #
-# :func:`refkv.testing.assert_case` compares scores (shape, dtype kind, values within the
+# **Predict, then run:** how many of the cases will the raw-key anchor fail -- all, or
+# only some? :func:`refkv.testing.assert_case` compares scores (shape, dtype kind, values within the
 # case's tolerance, scaled for its dtype) and kept tokens. In a test suite each case
 # would be one ``pytest`` parameter; here we loop and print what fails.
 
