@@ -55,6 +55,20 @@ def test_tutorial_has_a_gallery_title(script):
     assert len(underline) >= len(f"{number}. {title}")
 
 
+@pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
+def test_tutorial_has_exercises_with_checked_solutions(script):
+    """2-3 exercises, then solutions that assert their answers: running the tutorial (below)
+    runs them, so a wrong solution fails the suite."""
+    text = script.read_text(encoding="utf-8")
+    assert "# Exercises\n# ---------" in text and "# Solutions\n# ---------" in text, script.name
+    exercises = text.split("# Exercises\n# ---------", 1)[1].split("# Solutions\n# ---------", 1)
+    numbered = re.findall(r"^# (\d)\. ", exercises[0], re.M)
+    assert 2 <= len(numbered) <= 3 and numbered == [str(i) for i in range(1, len(numbered) + 1)], script.name
+    solutions = exercises[1].split("# Saving the figures", 1)[0]
+    assert len(re.findall(r"^assert ", solutions, re.M)) >= len(numbered), f"{script.name}: a solution checks nothing"
+    assert "predict, then run" in text.lower(), f"{script.name} asks the reader to predict nothing"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
 def test_tutorial_runs(script, tmp_path):

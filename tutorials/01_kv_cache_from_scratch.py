@@ -74,7 +74,8 @@ print("row 3 of A (token 3 attends to tokens 0..3 only):", np.round(A[3], 3))
 #    o_t = \operatorname{softmax}\!\left(\frac{q_t\,[K \,\|\, k_t]^\top}{\sqrt d}\right)
 #          [V \,\|\, v_t].
 #
-# No mask is needed: the cache holds only the past.
+# No mask is needed: the cache holds only the past. **Predict, then run:** will the cached
+# outputs equal the recomputed ones exactly, to the last bit?
 
 
 class Cache:

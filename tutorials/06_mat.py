@@ -94,7 +94,8 @@ fig.tight_layout()
 # How concentrated is attention?
 # ------------------------------
 #
-# Observation (ii) as a number per layer: the attention mass that a query gives its five
+# Observation (ii) as a number per layer (**predict, then run:** from which layer on do
+# five keys take most of a query's attention?): the attention mass that a query gives its five
 # most-attended keys (averaged over queries past position 20, heads included), and the
 # mass on the first token alone.
 
