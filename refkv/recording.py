@@ -108,6 +108,10 @@ class Recorder(Policy):
 
     Notes
     -----
+    A decision's scores are computed a second time, by ``policy.score`` on the decision's
+    view, after ``policy.keep_indices`` chose: the same numbers for every registered
+    policy (their scores are functions of the view), at twice the scoring cost.
+
     Memory grows with the prompt: every view holds its layer's keys (and the attention
     matrix when recorded). Record short prompts, or one engine call at a time.
     """
