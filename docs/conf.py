@@ -85,6 +85,9 @@ sphinx_gallery_conf = {
     "reset_modules": ("matplotlib",),
     "image_scrapers": ("matplotlib",),
     "matplotlib_animations": False,
+    # Print what a page should show; never the repr of a block's last expression (the
+    # closing save_figures() call would otherwise end every page with a stray "[]").
+    "capture_repr": (),
 }
 
 templates_path = []

@@ -12,10 +12,12 @@ checks a from-scratch cached decoder against refkv's own model and engine.
 Everything here runs on random weights: the argument is algebra, not training.
 """
 
-import matplotlib.pyplot as plt
 import numpy as np
 
 import refkv
+from refkv.figures import pyplot
+
+plt = pyplot("Tutorial 1")  # matplotlib.pyplot, or one line saying how to install it
 
 rng = np.random.default_rng(0)
 
@@ -72,7 +74,8 @@ print("row 3 of A (token 3 attends to tokens 0..3 only):", np.round(A[3], 3))
 #    o_t = \operatorname{softmax}\!\left(\frac{q_t\,[K \,\|\, k_t]^\top}{\sqrt d}\right)
 #          [V \,\|\, v_t].
 #
-# No mask is needed: the cache holds only the past.
+# No mask is needed: the cache holds only the past. **Predict, then run:** will the cached
+# outputs equal the recomputed ones exactly, to the last bit?
 
 
 class Cache:
@@ -123,7 +126,7 @@ ax0.set(title="causal attention weights A", xlabel="key position j", ylabel="que
 fig.colorbar(im, ax=ax0, fraction=0.046)
 ax1.semilogy(np.arange(T), np.maximum(error, 1e-18), "o-")
 ax1.axhline(np.finfo(np.float64).eps, color="grey", ls="--", label="float64 eps")
-ax1.set(title="|cached - recomputed|, per token", xlabel="token t", ylim=(1e-18, 1e-12))
+ax1.set(title="|cached - recomputed|, per token", xlabel="token t", ylim=(1e-18, 1e-12), xticks=range(0, T, 2))
 ax1.legend()
 fig.tight_layout()
 
@@ -131,16 +134,41 @@ fig.tight_layout()
 # What the cache buys
 # -------------------
 #
-# Without a cache, step :math:`t` projects all :math:`t+1` tokens again: :math:`\sum_t
-# (t+1) = T(T+1)/2` projections for a sequence. With it, one per step: :math:`T`. The
-# price is memory: the cache grows by one key and one value per token, per layer and per
-# KV head. That growth is what eviction policies, the subject of the other tutorials,
-# keep under a budget.
+# Without a cache, generating token :math:`t+1` means running the *whole model* again
+# over all :math:`t+1` tokens: in every layer, the projections of every token, the
+# attention of every earlier query (whose outputs nobody reads any more), and the MLP of
+# every token. Over a sequence that is :math:`\sum_t (t+1) = T(T+1)/2` token passes
+# through each layer's projections and MLP, and :math:`\sum_t (t+1)(t+2)/2 \approx
+# T^3/6` query-key products per head. With the cache, each step passes one token through
+# the layer and computes one row of :math:`t+1` products: :math:`T` passes and
+# :math:`T(T+1)/2` products. Counted on our head, by running both routes and tallying
+# what they compute, and checking the formulas:
+
+passes = {"recompute": 0, "cache": 0}
+products = {"recompute": 0, "cache": 0}
+counting_cache = Cache()
+for t in range(T):
+    _, A_t = full_attention(X[:t + 1])                     # no cache: the whole prefix again
+    passes["recompute"] += len(A_t)                        # tokens through W_q, W_k, W_v
+    products["recompute"] += np.count_nonzero(np.tri(len(A_t)))   # unmasked entries of A_t
+    decode_step(counting_cache, X[t])                      # cache: one token
+    passes["cache"] += 1
+    products["cache"] += len(counting_cache.K)             # q_t against every cached key
+assert passes["recompute"] == products["cache"] == T * (T + 1) // 2
+assert products["recompute"] == T * (T + 1) * (T + 2) // 6
+print(f"T = {T}: token passes {passes['recompute']} vs {passes['cache']}, "
+      f"query-key products {products['recompute']} vs {products['cache']} (recompute vs cache)")
 
 for T_long in (1_000, 10_000, 100_000):
-    print(f"T = {T_long:>7,}: recompute {T_long * (T_long + 1) // 2:>14,} projections, "
-          f"cache {T_long:>7,}")
+    print(f"T = {T_long:>7,}: token passes {T_long * (T_long + 1) // 2:>14,} vs {T_long:>7,}, "
+          f"products {T_long * (T_long + 1) * (T_long + 2) // 6:>22,} vs {T_long * (T_long + 1) // 2:>14,}")
 
+# %%
+# The price is memory: the cache grows by one key and one value per token, per layer and
+# per KV head -- for a real model tens to hundreds of KiB per token (tutorial 0 does the
+# arithmetic). That growth is what eviction policies, the subject of the other tutorials,
+# keep under a budget.
+#
 # %%
 # A whole decoder, cached by hand, checked against refkv
 # ------------------------------------------------------
@@ -200,11 +228,53 @@ print("refkv's layer-0 cache holds", len(engine.caches[0]), "tokens, keys of sha
 # the cache will not be allowed to hold every token: tutorial 2 puts it under a budget.
 
 # %%
+# Exercises
+# ---------
+#
+# 1. A 1,000-token prompt, then 100 generated tokens. How many token passes through a
+#    layer does that cost with the cache, and without it (every step re-runs the whole
+#    sequence)?
+# 2. The cache is exact *because attention is causal*. Drop the mask from
+#    ``full_attention`` (every token sees every other) and compare with the cached
+#    outputs again: which rows still agree?
+# 3. Check that refkv's engine, reading the 40 tokens in blocks of 7, gives the same logits
+#    as ``forward_full``.
+#
+# Solutions
+# ---------
+# (The test suite runs these lines; a wrong solution fails it.)
+
+# 1. With the cache: 1,000 for the prompt, then one per generated token. Without: step t
+#    re-runs all t + 1 tokens, for t = 1000, ..., 1099 (the prompt read once first).
+with_cache = 1000 + 100
+without = 1000 + sum(t + 1 for t in range(1000, 1100))
+print(f"exercise 1: {with_cache:,} vs {without:,} token passes")
+assert without == 1000 + 100 * 1001 + 100 * 99 // 2
+
+
+# 2. Without the mask, output t mixes the values of tokens after t, which the cache at
+#    step t has not seen yet: only the last row, which sees everything either way, agrees.
+def bidirectional(X):
+    Q, K, V = X @ W_q, X @ W_k, X @ W_v
+    return softmax(Q @ K.T / np.sqrt(d)) @ V
+
+
+rows_agree = np.isclose(bidirectional(X), O_cached, rtol=0, atol=1e-12).all(axis=-1)
+print("exercise 2: rows that agree without the mask:", np.flatnonzero(rows_agree))
+assert np.flatnonzero(rows_agree).tolist() == [T - 1]
+
+# 3. Any block size gives the same logits as recomputation when nothing is evicted.
+blocked = refkv.Engine(model, "full").prefill(tokens, block_size=7)
+print(f"exercise 3: blocks of 7 vs forward_full: {np.abs(blocked - recomputed[-1]).max() / scale:.1e}")
+assert np.allclose(blocked, recomputed[-1], rtol=0, atol=1e-12 * scale)
+
+# %%
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as
-# ``python tutorials/01_kv_cache_from_scratch.py``, the script saves them as PNG files next to itself (or in
-# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# ``python tutorials/01_kv_cache_from_scratch.py``, the script saves them as PNG files in
+# ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
+# environment variable), never in the source tree, and prints each path;
 # :func:`refkv.figures.save_figures` does it.
 
 from refkv.figures import save_figures

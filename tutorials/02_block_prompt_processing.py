@@ -11,10 +11,14 @@ Sec. 2.4) makes the budget hold all the time by reading the prompt in blocks of
 changes the answer.
 """
 
-import matplotlib.pyplot as plt
 import numpy as np
 
 import refkv
+from refkv.figures import pyplot
+from refkv.policies import select
+from refkv.policies.keydiff import anchor_scores
+
+plt = pyplot("Tutorial 2")  # matplotlib.pyplot, or one line saying how to install it
 
 model = refkv.load("tiny")           # 4 layers, 4 query heads, 2 KV heads, d_head = 16
 rng = np.random.default_rng(0)
@@ -42,14 +46,80 @@ print(model, "| prompt of", T, "tokens")
 # Fig. 1). So a block attends to at most :math:`N + B` keys, and the next block sees the
 # evicted cache.
 #
+# The loop by hand
+# ----------------
+#
+# Before handing the loop to refkv, write it. The model's pieces (``embed``, ``rope``,
+# ``qkv``, ``attn_out``, ``mlp``, ``head``; tutorial 1 uses them the same way) and one
+# cache per layer: keys, values and the positions they came from. In each layer, for
+# each block: **append** the block's keys and values, **attend** (the block's queries
+# over cache and block, causal within the block), **score** every cached token -- here
+# with KeyDiff's Eq. 8, :func:`refkv.policies.keydiff.anchor_scores` -- and **keep the
+# top** :math:`N` with :func:`refkv.policies.select`.
+
+
+def softmax(z):
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def keydiff_score(keys, positions):
+    return anchor_scores(keys)                                # KeyDiff Eq. 8, per head
+
+
+def block_prefill(model, tokens, N, B, score=keydiff_score):
+    """KeyDiff Eq. 6 by hand: the last logits and each layer's kept positions (Hkv, N)."""
+    cfg = model.config
+    g = cfg.n_heads // cfg.n_kv_heads                         # query heads per KV head
+    empty = np.zeros((cfg.n_kv_heads, 0, cfg.d_head), dtype=model.dtype)
+    K, V = [empty] * cfg.n_layers, [empty] * cfg.n_layers
+    P = [np.zeros((cfg.n_kv_heads, 0), dtype=np.int64)] * cfg.n_layers
+    for start in range(0, len(tokens), B):
+        block = tokens[start:start + B]
+        pos = np.arange(start, start + len(block))
+        rope, x = model.rope(pos), model.embed(block)
+        for l in range(cfg.n_layers):
+            q, k, v = model.qkv(l, x, rope)                   # (H, B, d), (Hkv, B, d), (Hkv, B, d)
+            K[l] = np.concatenate([K[l], k], axis=1)          # 1. append
+            V[l] = np.concatenate([V[l], v], axis=1)
+            P[l] = np.concatenate([P[l], np.broadcast_to(pos, (cfg.n_kv_heads, len(pos)))], axis=1)
+            logits = q @ np.repeat(K[l], g, axis=0).transpose(0, 2, 1) / np.sqrt(cfg.d_head)
+            future = np.repeat(P[l], g, axis=0)[:, None, :] > pos[None, :, None]
+            attention = softmax(np.where(future, -np.inf, logits))   # 2. attend: (H, B, n)
+            x = x + model.attn_out(l, attention @ np.repeat(V[l], g, axis=0))
+            x = x + model.mlp(l, x)
+            if K[l].shape[1] > N:
+                scores = score(K[l], P[l])                    # 3. score: (Hkv, n)
+                keep = select(scores, P[l], N)                # 4. keep the top N per head
+                K[l] = np.take_along_axis(K[l], keep[..., None], axis=1)
+                V[l] = np.take_along_axis(V[l], keep[..., None], axis=1)
+                P[l] = np.take_along_axis(P[l], keep, axis=1)
+    return model.head(x[-1:])[0], P
+
+
+N, B = 64, 32
+by_hand, kept_by_hand = block_prefill(model, tokens, N, B)
+engine = refkv.Engine(model, "keydiff", budget=N)
+logits = engine.prefill(tokens, block_size=B)
+same_kept = all(np.array_equal(kept_by_hand[l], engine.caches[l].positions) for l in range(model.config.n_layers))
+print("same kept positions in every layer and head:", same_kept)
+print(f"last logits, by hand vs Engine: {np.abs(by_hand - logits).max() / np.abs(logits).max():.1e} (relative)")
+assert same_kept and np.allclose(by_hand, logits, rtol=0, atol=1e-9 * np.abs(logits).max())
+
+# %%
+# Twenty lines, the same decisions as the engine's and the same logits to rounding. The
+# engine adds what the loop leaves out: attention in tiles that never forms the matrix
+# when the policy does not need it, policies with state and protected tokens, eviction
+# before attention, and the checks and records used below.
+#
 # Blocks bound the cache
 # ----------------------
 #
 # The engine records the largest cache it ever held. One-shot prefill (``block_size=None``,
-# i.e. :math:`B = T`, the setting of most eviction papers) peaks at the whole prompt; with
-# blocks the peak is :math:`N + B`, whatever the prompt length.
+# i.e. :math:`B = T`, the setting of most eviction papers) peaks at the whole prompt.
+# **Predict, then run:** what is the peak with blocks of :math:`B` under :math:`N = 64`,
+# and how many evictions does a 384-token prompt in blocks of 32 make in 4 layers?
 
-N = 64
 print(f"{'B':>6} {'peak cache':>11} {'evictions':>10} {'KV bytes after':>15}")
 for B in (None, 128, 32, 8):
     engine = refkv.Engine(model, "keydiff", budget=N)
@@ -161,11 +231,52 @@ print("hashevict evicts before attention:", engine.policy.evict_before_attention
       "| peak cache:", engine.stats.peak_cache_tokens, "= N")
 
 # %%
+# Exercises
+# ---------
+#
+# 1. Predict the peak cache for :math:`N = 100`, :math:`B = 50`, then run it.
+# 2. Give ``block_prefill`` a score that is just the position (newer is better). Which
+#    registered policy have you written? Check it against the engine.
+# 3. How many evictions does the engine make for :math:`T = 384`, :math:`N = 64`,
+#    :math:`B = 32` in this 4-layer model? Derive it before counting.
+#
+# Solutions
+# ---------
+# (The test suite runs these lines; a wrong solution fails it.)
+
+# 1. Append, then evict: the peak is N + B = 150.
+engine = refkv.Engine(model, "keydiff", budget=100)
+engine.prefill(tokens, block_size=50)
+print("exercise 1: peak", engine.stats.peak_cache_tokens)
+assert engine.stats.peak_cache_tokens == 150
+
+
+# 2. Recency keeps the last N tokens: a sliding window, StreamingLLM without sinks (``sink``
+#    with ``sink=0``; tutorial 0).
+def recency(keys, positions):
+    return positions.astype(np.float64)
+
+
+_, kept_window = block_prefill(model, tokens, 64, 32, score=recency)
+engine = refkv.Engine(model, refkv.policies.get("sink", sink=0), budget=64)
+engine.prefill(tokens, block_size=32)
+same = all(np.array_equal(kept_window[l], engine.caches[l].positions) for l in range(model.config.n_layers))
+print("exercise 2: recency == sink(sink=0):", same, "| kept", kept_window[0][0, [0, -1]])
+assert same and kept_window[0][0].tolist() == list(range(T - 64, T))
+
+# 3. 12 blocks; the first two fit (32, 64 <= N), the other 10 overflow in each of 4 layers.
+engine = refkv.Engine(model, "keydiff", budget=64)
+engine.prefill(tokens, block_size=32)
+print("exercise 3:", engine.stats.evictions, "evictions")
+assert engine.stats.evictions == (T // 32 - 2) * model.config.n_layers == 40
+
+# %%
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as
-# ``python tutorials/02_block_prompt_processing.py``, the script saves them as PNG files next to itself (or in
-# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# ``python tutorials/02_block_prompt_processing.py``, the script saves them as PNG files in
+# ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
+# environment variable), never in the source tree, and prints each path;
 # :func:`refkv.figures.save_figures` does it.
 
 from refkv.figures import save_figures

@@ -22,15 +22,18 @@ attention, and then asks each policy what it would keep.
 
 from dataclasses import replace
 
-import matplotlib.pyplot as plt
 import numpy as np
 from scipy.stats import spearmanr
 
 import refkv
+from refkv.figures import pyplot
 from refkv.model import load_with_tokenizer
 from refkv.model.gguf import ModelNotFoundError
-from refkv.policies import Policy
+from refkv.policies import select
 from refkv.policies.keydiff import anchor, anchor_scores, pairwise_scores
+from refkv.recording import Recorder
+
+plt = pyplot("Tutorial 4")  # matplotlib.pyplot, or one line saying how to install it
 
 try:
     model, tokenizer = load_with_tokenizer("smollm2")
@@ -59,27 +62,15 @@ print(model, "|", T, "tokens")
 # Watching a forward pass
 # -----------------------
 #
-# A policy sees one :class:`refkv.policies.View` per layer. The smallest possible policy
-# just keeps them: it declares that it needs the keys and the attention weights (so the
-# engine forms them), never evicts (no budget), and stores every view it is shown. One
-# prefill of the whole paragraph then gives us, for all 30 layers, the keys after RoPE
-# and the attention matrix.
+# A policy sees one :class:`refkv.policies.View` per layer. A
+# :class:`refkv.recording.Recorder` wraps a policy -- here ``full``, which never evicts --
+# and keeps every view it is shown; asking it for the keys and the attention weights makes
+# the engine form them. One prefill of the whole paragraph then gives us, for all 30
+# layers, the keys after RoPE and the attention matrix.
 
-
-class Watch(Policy):
-    needs = frozenset({"keys", "attention"})
-
-    def __init__(self):
-        self.views = []
-
-    def observe(self, view):
-        self.views.append(view)
-        return {}
-
-
-watch = Watch()
-refkv.Engine(model, watch).prefill(tokens)
-views = watch.views
+recorder = Recorder("full", needs=("keys", "attention"))
+refkv.Engine(model, recorder).prefill(tokens)
+views = recorder.views()
 print(len(views), "views; layer 0 keys", views[0].keys.shape, "attention", views[0].attention.shape)
 
 # %%
@@ -187,11 +178,24 @@ fig.tight_layout()
 
 # %%
 # In this head the keys of the most recent tokens form one cluster (bottom left). Sink
-# keeps that window and the four first tokens, so its kept set is one tight clump; TOVA
-# keeps mostly the same clump, because the last query attends to its neighbourhood;
+# keeps that window and the four first tokens, so its kept set is one tight clump.
 # KeyDiff takes keys from all over the cloud, including the far ends of the arc, and
-# leaves many of the crowded recent keys behind.
-#
+# leaves many of the crowded recent keys behind. (**Predict, then run:** how many of its
+# 64 does TOVA keep among the last 64 positions?) TOVA is in between: it follows the last
+# query's attention, which in a trained model is not local, so it keeps some of the
+# recent clump and spreads the rest over the arc. Counted:
+
+kept_sets = {name: set(kept_by(policy, view)[HEAD]) for name, policy in policies.items()}
+recent = set(range(T - N, T))                                      # the last N positions
+for name, kept_set in kept_sets.items():
+    print(f"{name:<8} keeps {len(kept_set & recent):>2} of its {N} in the last {N} positions, "
+          f"shares {len(kept_set & kept_sets['sink']):>2} with sink")
+# What the paragraph says, checked: TOVA keeps fewer than half of its tokens in the recent
+# window, and shares barely more with sink than KeyDiff does.
+assert len(kept_sets["tova"] & recent) < N / 2
+assert len(kept_sets["tova"] & kept_sets["sink"]) < len(kept_sets["keydiff"] & kept_sets["sink"]) + N / 8
+
+# %%
 # One head is an anecdote. KeyDiff Fig. 5 measures the spread of a kept set by the log
 # volume it spans, :math:`\log\det(K_S K_S^\top)`; larger means more diverse keys. Over all
 # 30 layers and 3 heads:
@@ -215,11 +219,42 @@ for name, values in log_volume.items():
 # (``engine.stats.attention_materialised`` stays 0; tutorial 3).
 
 # %%
+# Exercises
+# ---------
+#
+# 1. The L2-norm policy (Devoto et al., 2024; ``knorm``) keeps the keys of *lowest* norm.
+#    Write its score in one line, keep :math:`N = 64` on layer 20, head 0 with
+#    :func:`refkv.policies.select`, and compare with refkv's ``knorm`` and with KeyDiff.
+# 2. Predict first: in how many of the 90 heads does KeyDiff keep the first token (the
+#    attention sink) at :math:`N = 64`?
+#
+# Solutions
+# ---------
+# (The test suite runs these lines; a wrong solution fails it.)
+
+# 1. Score = minus the norm; the rest is the shared top-N.
+l2_score = -np.linalg.norm(views[LAYER].keys.astype(np.float64), axis=-1)          # (Hkv, T)
+l2_kept = set(select(l2_score, views[LAYER].positions, N)[HEAD])
+knorm_kept = set(kept_by(refkv.policies.get("knorm"), views[LAYER])[HEAD])
+print(f"exercise 1: ours == knorm: {l2_kept == knorm_kept}; shares {len(l2_kept & kept_sets['keydiff'])} "
+      f"of {N} with KeyDiff")
+assert l2_kept == knorm_kept
+
+# 2. Count the heads whose kept columns include column 0 (position 0). Nearly all: the
+#    sink's key is the most distinctive of its head (the cosine picture above), so
+#    KeyDiff keeps StreamingLLM's first token without being told to.
+keydiff = policies["keydiff"]
+keeps_first = sum(int(0 in kept_by(keydiff, v)[h]) for v in views for h in range(v.n_kv_heads))
+print(f"exercise 2: KeyDiff keeps token 0 in {keeps_first} of {len(views) * views[0].n_kv_heads} heads")
+assert keeps_first > 0.8 * len(views) * views[0].n_kv_heads
+
+# %%
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as
-# ``python tutorials/04_keydiff.py``, the script saves them as PNG files next to itself (or in
-# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# ``python tutorials/04_keydiff.py``, the script saves them as PNG files in
+# ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
+# environment variable), never in the source tree, and prints each path;
 # :func:`refkv.figures.save_figures` does it.
 
 from refkv.figures import save_figures

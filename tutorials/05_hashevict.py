@@ -23,13 +23,15 @@ This tutorial sees that line happen, measures how noisy the estimate is for the 
 :math:`c = 16` bits, and runs the policy.
 """
 
-import matplotlib.pyplot as plt
 import numpy as np
 from scipy.stats import spearmanr
 
 import refkv
+from refkv.figures import pyplot
 from refkv.lsh import gaussian_planes, hamming, hamming_unpacked, pack_codes, simhash
-from refkv.policies import Policy
+from refkv.recording import Recorder
+
+plt = pyplot("Tutorial 5")  # matplotlib.pyplot, or one line saying how to install it
 
 # %%
 # One bit is one hyperplane
@@ -40,7 +42,8 @@ from refkv.policies import Policy
 # different bits exactly when the hyperplane passes *between* them. In two dimensions a
 # random line through the origin separates two vectors at angle :math:`\theta` with
 # probability :math:`\theta / \pi` -- the angle they span out of the half-turn of possible
-# directions. Sixteen random lines (refkv's :func:`refkv.lsh.gaussian_planes`):
+# directions. **Predict, then run:** of sixteen random lines, how many separate two
+# vectors 1 radian apart? Sixteen random lines (refkv's :func:`refkv.lsh.gaussian_planes`):
 
 theta = 1.0                                             # radians, about 57 degrees
 x = np.array([1.0, 0.0])
@@ -134,21 +137,10 @@ print("packed Hamming == bit count:", same)
 # the ranking by the true :math:`\cos(q, k_i)`, for growing :math:`c`.
 
 
-class Watch(Policy):
-    needs = frozenset({"keys", "queries"})
-
-    def __init__(self):
-        self.views = []
-
-    def observe(self, view):
-        self.views.append(view)
-        return {}
-
-
 model = refkv.load("tiny")
-watch = Watch()
-refkv.Engine(model, watch).prefill(rng.integers(0, model.config.vocab_size, size=256))
-view = watch.views[2]                                     # layer 2
+recorder = Recorder("full", needs=("keys", "queries"))   # every layer's view, nothing evicted
+refkv.Engine(model, recorder).prefill(rng.integers(0, model.config.vocab_size, size=256))
+view = recorder.views()[2]                                # layer 2
 keys, query = view.keys[0], view.queries[0, -1]          # KV head 0 and its first query head
 cosine = keys @ query / (np.linalg.norm(keys, axis=1) * np.linalg.norm(query))
 for c in (8, 16, 32, 64, 256):
@@ -180,11 +172,50 @@ print(f"peak cache {s.peak_cache_tokens} (= N), attention matrix formed {s.atten
 print("hash table of layer 0:", engine.caches[0].fields["hash_code"].shape, "uint8 per KV head and token")
 
 # %%
+# Exercises
+# ---------
+#
+# 1. On the head above, find the smallest number of bits :math:`c` (a power of two) for
+#    which the Hamming ranking's Spearman correlation with the cosine exceeds 0.9.
+# 2. Predict the standard deviation of :math:`d_H / c` at 90 degrees for :math:`c = 64`
+#    (each bit is a fair coin), then compare with the simulation above.
+# 3. How many evictions does ``hashevict`` make on 200 tokens at :math:`N = 32`, token by
+#    token? Derive it, then run.
+#
+# Solutions
+# ---------
+# (The test suite runs these lines; a wrong solution fails it.)
+
+
+# 1. Try c = 2, 4, 8, ... until rho > 0.9.
+def rho_for(c):
+    R = gaussian_planes(c, model.config.d_head, seed=0)
+    return spearmanr(-hamming_unpacked(simhash(query, R), simhash(keys, R)), cosine).statistic
+
+
+c = 2
+while rho_for(c) <= 0.9:
+    c *= 2
+print(f"exercise 1: c = {c} gives rho = {rho_for(c):.3f} (c = {c // 2}: {rho_for(c // 2):.3f})")
+assert rho_for(c) > 0.9 >= rho_for(c // 2)
+
+# 2. d_H / c is a mean of c fair coins: std sqrt(0.25 / c) = 0.0625 for c = 64.
+print(f"exercise 2: predicted {np.sqrt(0.25 / 64):.4f}, simulated {results[64][9].std():.4f}")
+assert abs(results[64][9].std() - np.sqrt(0.25 / 64)) < 0.01
+
+# 3. One eviction per token once the cache is full, in every layer: (200 - 32) x 4.
+engine = refkv.Engine(model, "hashevict", budget=32)
+engine.prefill(rng.integers(0, model.config.vocab_size, size=200), block_size=1)
+print("exercise 3:", engine.stats.evictions, "evictions")
+assert engine.stats.evictions == (200 - 32) * model.config.n_layers
+
+# %%
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as
-# ``python tutorials/05_hashevict.py``, the script saves them as PNG files next to itself (or in
-# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# ``python tutorials/05_hashevict.py``, the script saves them as PNG files in
+# ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
+# environment variable), never in the source tree, and prints each path;
 # :func:`refkv.figures.save_figures` does it.
 
 from refkv.figures import save_figures

@@ -23,17 +23,19 @@ window. This tutorial checks both observations on SmolLM2-135M-Instruct (anchors
 property of trained weights) and then runs the policy.
 """
 
-import matplotlib.pyplot as plt
 import numpy as np
 from scipy.special import softmax
 from scipy.stats import spearmanr
 
 import refkv
 from refkv.attention import causal_logits
+from refkv.figures import pyplot
 from refkv.model import load_with_tokenizer
 from refkv.model.gguf import ModelNotFoundError
-from refkv.policies import Policy
 from refkv.policies.mat import LOGIT_FIELD, anchor_logits, closed_form_keep, streaming_keep
+from refkv.recording import Recorder
+
+plt = pyplot("Tutorial 6")  # matplotlib.pyplot, or one line saying how to install it
 
 try:
     model, tokenizer = load_with_tokenizer("smollm2")
@@ -61,29 +63,18 @@ print(model, "|", T, "tokens")
 # Attention logits, layer by layer
 # --------------------------------
 #
-# As in tutorial 4, a policy that only watches collects every layer's
+# As in tutorial 4, a :class:`refkv.recording.Recorder` collects every layer's
 # :class:`refkv.policies.View` during one prefill. MAT reads logits, not weights, so the
-# watcher asks for queries and keys only and the engine never forms the attention matrix;
+# recorder asks for queries and keys only and the engine never forms the attention matrix;
 # we compute the logits ourselves with :func:`refkv.attention.causal_logits` and average
 # each KV head's query group, as refkv's policies do.
 
-
-class Watch(Policy):
-    needs = frozenset({"keys", "queries"})
-
-    def __init__(self):
-        self.views = []
-
-    def observe(self, view):
-        self.views.append(view)
-        return {}
-
-
-watch = Watch()
-refkv.Engine(model, watch).prefill(tokens)
+recorder = Recorder("full", needs=("keys", "queries"))
+refkv.Engine(model, recorder).prefill(tokens)
+views = recorder.views()
 logits = np.stack([causal_logits(v.queries.astype(np.float64), v.keys.astype(np.float64),
                                  v.query_positions, v.positions).mean(axis=1)
-                   for v in watch.views])                          # (layers, Hkv, T, T)
+                   for v in views])                          # (layers, Hkv, T, T)
 print("logits:", logits.shape, "(-inf above the diagonal)")
 
 fig, axes = plt.subplots(1, 2, figsize=(10, 4.3))
@@ -103,7 +94,8 @@ fig.tight_layout()
 # How concentrated is attention?
 # ------------------------------
 #
-# Observation (ii) as a number per layer: the attention mass that a query gives its five
+# Observation (ii) as a number per layer (**predict, then run:** from which layer on do
+# five keys take most of a query's attention?): the attention mass that a query gives its five
 # most-attended keys (averaged over queries past position 20, heads included), and the
 # mass on the first token alone.
 
@@ -144,7 +136,7 @@ def anchorness(layer_logits):
 
 
 rho = np.empty((cfg.n_layers, cfg.n_kv_heads))
-for layer, v in enumerate(watch.views):
+for layer, v in enumerate(views):
     pi = anchor_logits(v.queries_by_kv_head().astype(np.float64), v.keys[:, None, 0].astype(np.float64))
     pi = pi.mean(axis=1)                                               # group mean, (Hkv, T)
     score = anchorness(logits[layer])
@@ -171,9 +163,9 @@ print(f"heads with rho > 0: {(rho > 0).mean():.0%} overall, {(rho[2:] > 0).mean(
 # :math:`N = 64`, :math:`\beta = 16`.
 
 N, beta = 64, 16
-pi20 = anchor_logits(watch.views[20].queries_by_kv_head().astype(np.float64),
-                     watch.views[20].keys[:, None, 0].astype(np.float64)).mean(axis=1)
-positions = watch.views[20].positions
+pi20 = anchor_logits(views[20].queries_by_kv_head().astype(np.float64),
+                     views[20].keys[:, None, 0].astype(np.float64)).mean(axis=1)
+positions = views[20].positions
 same = np.array_equal(closed_form_keep(pi20, positions, N, beta), streaming_keep(pi20, positions, N, beta))
 print("closed form == literal Eq. 4 streaming:", same)
 
@@ -196,11 +188,43 @@ print("stored logits of layer 20 (float64, per KV head and token):", engine.cach
 # as "anchor-like" can be read directly.
 
 # %%
+# Exercises
+# ---------
+#
+# 1. Predict what MAT keeps in a deep layer with :math:`\beta = 1`, then check with
+#    :func:`refkv.policies.mat.closed_form_keep` on layer 20's :math:`\pi`.
+# 2. The closed form equals Eq. 4 streamed token by token on layer 20. Check it on every
+#    deep layer.
+#
+# Solutions
+# ---------
+# (The test suite runs these lines; a wrong solution fails it.)
+
+# 1. An anchor cache of one token: the first (always an anchor), plus the last N - 1.
+kept_b1 = closed_form_keep(pi20, positions, N, 1)
+print("exercise 1: beta = 1 keeps", positions[0][kept_b1[0]][:3], "...", positions[0][kept_b1[0]][-2:])
+assert all(positions[0][kept_b1[h]].tolist() == [0, *range(T - N + 1, T)] for h in range(cfg.n_kv_heads))
+
+
+# 2. Every deep layer (2..29), every KV head.
+def pi_of(layer):
+    v = views[layer]
+    return anchor_logits(v.queries_by_kv_head().astype(np.float64), v.keys[:, None, 0].astype(np.float64)).mean(axis=1)
+
+
+agree = [np.array_equal(closed_form_keep(pi_of(layer), views[layer].positions, N, beta),
+                        streaming_keep(pi_of(layer), views[layer].positions, N, beta))
+         for layer in range(2, cfg.n_layers)]
+print(f"exercise 2: closed form == streaming in {sum(agree)} of {len(agree)} deep layers")
+assert all(agree)
+
+# %%
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as
-# ``python tutorials/06_mat.py``, the script saves them as PNG files next to itself (or in
-# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# ``python tutorials/06_mat.py``, the script saves them as PNG files in
+# ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
+# environment variable), never in the source tree, and prints each path;
 # :func:`refkv.figures.save_figures` does it.
 
 from refkv.figures import save_figures

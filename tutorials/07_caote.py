@@ -21,13 +21,15 @@ evict token :math:`j`, let the softmax renormalise the others, and the output mo
 choice, and runs CAOTE as a meta-policy over TOVA and H2O.
 """
 
-import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import LogNorm
 
 import refkv
+from refkv.figures import pyplot
 from refkv.policies.caote import caote_scores, fast_caote_scores, normalise
 from refkv.theory.caote import eviction_errors
+
+plt = pyplot("Tutorial 7")  # matplotlib.pyplot, or one line saying how to install it
 
 rng = np.random.default_rng(7)
 
@@ -64,7 +66,8 @@ print("largest |c - e| =", np.abs(closed - brute).max())
 print("refkv.theory.caote.eviction_errors agrees:", np.allclose(eviction_errors(logits, values), brute, rtol=1e-12))
 
 # %%
-# The closed form is the brute force, to rounding. Now compare the two choices of whom to
+# The closed form is the brute force, to rounding. **Predict, then run:** does the token
+# with the smallest weight also move the output least? Compare the two choices of whom to
 # evict: the smallest attention weight (what TOVA would do with this query) and the
 # smallest :math:`c_j`.
 
@@ -154,18 +157,97 @@ for name, params in (("tova", {}), ("caote", {"base": "tova"}), ("caote", {"base
     print(f"{policy.describe():<50} {error:.3f}")
 
 # %%
-# On a random model these numbers say little about quality; they show the wiring. What
-# carries over is the exactness: for one evicted token and weights that are the real
-# softmax (TOVA at :math:`B = 1`), :math:`c_j` is the change in that head's attention
-# output, with nothing approximated. Later layers and later steps see the change
+# On a random model these numbers say little about quality; they show the wiring.
+#
+# Exact for which head?
+# ---------------------
+#
+# Theorem 3.2 is about one query and its own softmax weights. The built-in model, like
+# SmolLM2 and Llama 3, uses grouped-query attention: two query heads share each KV head,
+# and refkv's policies score per KV head from the group's *mean* weights
+# :math:`\bar\alpha` (KeyDiff App. B.2; :meth:`refkv.policies.View.attention_by_kv_head`).
+# Each query head :math:`h` still has its own weights :math:`\alpha_h` and output
+# :math:`X_h = V\alpha_h`. Evicting :math:`j` moves :math:`X_h` by exactly
+# :math:`c_j(\alpha_h)`; but :math:`c_j(\bar\alpha)` is neither of those, nor the change
+# of the heads' mean output (each head renormalises by its own :math:`1 - \alpha_{h,j}`).
+# Brute force on two query heads over one KV head:
+
+g, n, d = 2, 16, 8
+group_logits = 1.5 * rng.standard_normal((g, n))
+values = rng.standard_normal((n, d))
+alpha_h = np.exp(group_logits - group_logits.max(axis=1, keepdims=True))
+alpha_h /= alpha_h.sum(axis=1, keepdims=True)                  # (g, n): each head's softmax
+per_head = np.stack([eviction_errors(group_logits[h], values) for h in range(g)])    # (g, n), brute force
+outputs = alpha_h @ values                                      # (g, d)
+
+
+def mean_output_without(j):
+    """The heads' mean output after evicting j, each head renormalising its own weights."""
+    rest = np.delete(values, j, axis=0)
+    return np.mean([np.delete(alpha_h[h], j) / (1 - alpha_h[h, j]) @ rest for h in range(g)], axis=0)
+
+
+mean_change = np.array([np.linalg.norm(outputs.mean(axis=0) - mean_output_without(j)) for j in range(n)])
+from_mean = caote_scores(alpha_h.mean(axis=0), values)          # what a per-KV-head score computes
+
+
+def worst(a, b):
+    return np.max(np.abs(a - b) / b)
+
+
+exact = max(worst(caote_scores(alpha_h[h], values), per_head[h]) for h in range(g))
+print(f"per query head, c_j(alpha_h) vs brute force: {exact:.1e} (largest relative gap)")
+print("c_j(group mean), largest relative gap to the true change of",
+      f"head 0: {worst(from_mean, per_head[0]):.0%}, head 1: {worst(from_mean, per_head[1]):.0%},",
+      f"the mean output: {worst(from_mean, mean_change):.0%}")
+# The statement of this section, checked: exact per query head, not for the group mean.
+assert all(np.allclose(caote_scores(alpha_h[h], values), per_head[h], rtol=1e-10) for h in range(g))
+assert worst(from_mean, mean_change) > 0.01
+
+# %%
+# So, precisely: for one evicted token and a query head's own softmax weights (TOVA at
+# :math:`B = 1` with one query head per KV head, as in multi-head attention),
+# :math:`c_j` is the change in that head's attention output, with nothing approximated.
+# Under GQA the per-KV-head score is the closed form evaluated on the group's mean
+# weights: a summary of the group. In this draw it is up to about 30 % off the change of
+# the heads' mean output, and far more off a single head's change where that head gives
+# token :math:`j` almost no weight and the other a lot. And in any case later layers and later steps see the change
 # propagate, which no per-step score accounts for.
+
+# %%
+# Exercises
+# ---------
+#
+# 1. Predict what happens to every :math:`c_j` when all values are shifted by the same
+#    vector, then check on the 9-token example.
+# 2. With uniform attention, which token does CAOTE evict?
+#
+# Solutions
+# ---------
+# (The test suite runs these lines; a wrong solution fails it.)
+
+# 1. Nothing: V alpha - v_j is unchanged by a common shift, because the weights sum to 1.
+rng_ex = np.random.default_rng(70)
+alpha9 = rng_ex.dirichlet(np.ones(9))
+values9 = rng_ex.standard_normal((9, 2))
+shifted = caote_scores(alpha9, values9 + np.array([5.0, -3.0]))
+print("exercise 1: c unchanged by a shift:", np.allclose(shifted, caote_scores(alpha9, values9), atol=1e-12))
+assert np.allclose(shifted, caote_scores(alpha9, values9), rtol=0, atol=1e-12)
+
+# 2. alpha_j / (1 - alpha_j) is the same for all j, so c_j ranks by |mean value - v_j|:
+#    CAOTE evicts the value nearest the mean.
+uniform = np.full(9, 1 / 9)
+nearest = int(np.argmin(np.linalg.norm(values9 - values9.mean(axis=0), axis=1)))
+print("exercise 2: CAOTE evicts", int(np.argmin(caote_scores(uniform, values9))), "| nearest the mean:", nearest)
+assert int(np.argmin(caote_scores(uniform, values9))) == nearest
 
 # %%
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as
-# ``python tutorials/07_caote.py``, the script saves them as PNG files next to itself (or in
-# the folder named by the ``REFKV_FIGURES`` environment variable) and prints each path;
+# ``python tutorials/07_caote.py``, the script saves them as PNG files in
+# ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
+# environment variable), never in the source tree, and prints each path;
 # :func:`refkv.figures.save_figures` does it.
 
 from refkv.figures import save_figures

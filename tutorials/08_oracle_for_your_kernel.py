@@ -29,9 +29,12 @@ from hypothesis import given, settings
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from refkv import policies
+from refkv.figures import pyplot
 from refkv.oracle import generate_suite
 from refkv.testing import assert_case, assert_same_retention, assert_scores_close, load_cases
 from refkv.testing import strategies as kvst
+
+plt = pyplot("Tutorial 8")  # matplotlib.pyplot, or one line saying how to install it
 
 # %%
 # A kernel to test
@@ -100,15 +103,16 @@ print("modes:", sorted({case.mode for case in cases}))
 # Checking the kernel
 # -------------------
 #
-# :func:`refkv.testing.assert_case` compares scores (shape, dtype kind, values within the
+# **Predict, then run:** how many of the cases will the raw-key anchor fail -- all, or
+# only some? :func:`refkv.testing.assert_case` compares scores (shape, dtype kind, values within the
 # case's tolerance, scaled for its dtype) and kept tokens. In a test suite each case
 # would be one ``pytest`` parameter; here we loop and print what fails.
 
 
-def check(kernel_options, cases):
+def check(kernel_options, cases, kernel=my_keydiff):
     failures, ties = 0, 0
     for case in cases:
-        scores, kept = my_keydiff(case.inputs["keys"], case.budget, **kernel_options)
+        scores, kept = kernel(case.inputs["keys"], case.budget, **kernel_options)
         try:
             ties += len(assert_case(case, scores=scores, kept=kept))
         except AssertionError as error:
@@ -117,15 +121,34 @@ def check(kernel_options, cases):
                 print(str(error).splitlines()[0])
                 print("\n".join(str(error).splitlines()[1:4]))
     print(f"-> {failures} of {len(cases)} cases fail, {ties} ties accepted")
+    return failures
 
 
-check({"unit_anchor": False}, cases)
+_ = check({"unit_anchor": False}, cases)
 
 # %%
 # The first failing case names the case, the head and the position where the scores part
 # company, with both values. The fix is the one-word change to Eq. 8's anchor:
 
-check({"unit_anchor": True}, cases)
+_ = check({"unit_anchor": True}, cases)
+
+# %%
+# The same verdict as a picture: on one case, each key's score from the kernel against
+# refkv's reference score, for both versions. The fixed kernel lies on the diagonal; the
+# buggy one scatters, and the kept set changes with it.
+
+case = next(c for c in cases if c.dtype == "float64")
+reference = case.outputs["scores"]
+fig, ax = plt.subplots(figsize=(5, 4.2))
+for options, label, marker in (({"unit_anchor": False}, "raw-key anchor (bug)", "x"),
+                               ({"unit_anchor": True}, "unit-key anchor (Eq. 8)", "o")):
+    ax.scatter(reference.ravel(), my_keydiff(case.inputs["keys"], case.budget, **options)[0].ravel(),
+               marker=marker, s=18, label=label, alpha=0.8)
+lims = (reference.min() - 0.1, reference.max() + 0.1)
+ax.plot(lims, lims, color="grey", lw=1, ls="--")
+ax.set(xlabel="refkv's score (golden file)", ylabel="kernel's score", title=f"KeyDiff scores, case {case}")
+ax.legend(fontsize=8)
+fig.tight_layout()
 
 # %%
 # All pass. The ties line matters: where your kernel keeps another token than refkv,
@@ -191,3 +214,51 @@ print("60 drawn caches: scores and kept tokens agree with refkv")
 # rules and the end-to-end format.
 
 workdir.cleanup()
+
+# %%
+# Exercises
+# ---------
+#
+# 1. A sign slip: a kernel that keeps the *lowest* scores. Which cases catch it?
+# 2. A kernel that scores in float32 whatever the input. Does it pass the float64 cases?
+#
+# Solutions
+# ---------
+# (The test suite runs these lines; a wrong solution fails it.)
+
+
+# 1. Every case that evicts anything (n > budget) fails; cases keeping all tokens cannot tell.
+def lowest_first(keys, budget):
+    scores, _ = my_keydiff(keys, budget)
+    m = min(budget, keys.shape[1])
+    return scores, np.sort(np.argsort(scores, axis=-1, kind="stable")[:, :m], axis=-1)
+
+
+evicting = sum(case.sizes["n"] > case.budget for case in cases)
+failed = check({}, cases, kernel=lowest_first)
+print(f"exercise 1: {failed} failures; {evicting} cases evict")
+assert failed == evicting
+
+
+# 2. float32 rounding (about 1e-7) is far above a float64 case's tolerance: it fails there,
+#    and passes the float32 cases.
+def single_precision(keys, budget):
+    return my_keydiff(keys.astype(np.float32), budget)
+
+
+failed = check({}, [c for c in cases if c.dtype == "float64"], kernel=single_precision)
+print("exercise 2:", failed, "float64 cases fail")
+assert failed > 0 and check({}, [c for c in cases if c.dtype == "float32"], kernel=single_precision) == 0
+
+# %%
+# Saving the figures
+# ------------------
+# In the documentation the figures above are part of the page. Run by hand, as
+# ``python tutorials/08_oracle_for_your_kernel.py``, the script saves them as PNG files in
+# ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
+# environment variable), never in the source tree, and prints each path;
+# :func:`refkv.figures.save_figures` does it.
+
+from refkv.figures import save_figures
+
+save_figures()
