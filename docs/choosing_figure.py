@@ -12,8 +12,8 @@ It reads ``docs/_static/experiments/perplexity/ppl.csv`` and
   95% interval (``low``, ``high``) and sample size ``n`` (tokens for perplexity, prompts for
   passkey);
 * ``quality_vs_budget.svg`` and ``.png`` -- left: the perplexity increase over no eviction
-  against the budget ``N`` (block ``B = 32``), one line per policy, with the band of its
-  95% paired block-bootstrap interval; right: passkey accuracy at ``N = 256`` per policy,
+  against the budget ``N`` (block ``B = 32``), one line per policy, with the bar of its
+  95% paired block-bootstrap interval (dodged sideways); right: passkey accuracy at ``N = 256`` per policy,
   with block processing (``B = 128``) and one-shot (``B = None``), Wilson 95% intervals,
   against the no-eviction ceiling.
 
@@ -46,6 +46,10 @@ PPL_BLOCK = "32"
 PASSKEY_BUDGET = "256"
 #: The left panel's lowest perplexity increase (log axis).
 FLOOR = 0.03
+#: Sideways shift between two policies' points in the left panel, in budget units.
+DODGE = 2.6
+#: Least vertical distance between two line labels, in decades of the log axis.
+LABEL_GAP = 0.105
 COLUMNS = ["panel", "policy", "budget", "block", "value", "low", "high", "n"]
 
 
@@ -98,34 +102,41 @@ def draw(rows: list[dict], out: Path = OUT) -> None:
     colors = dict(zip(POLICIES, plt.get_cmap("tab10").colors))
     fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4.8), gridspec_kw={"width_ratios": [1.3, 1]})
     ends, budgets = [], set()
-    for policy in POLICIES:
+    drawn = [p for p in POLICIES if any(r["panel"] == "delta_ppl" and r["policy"] == p for r in rows)]
+    for i, policy in enumerate(drawn):
         pts = sorted((int(r["budget"]), float(r["value"]), float(r["low"] or r["value"]),
                       float(r["high"] or r["value"])) for r in rows
                      if r["panel"] == "delta_ppl" and r["policy"] == policy)
-        if not pts:
-            continue
         xs, ys, lows, highs = zip(*pts)
         budgets.update(xs)
-        left.plot(xs, ys, "o-", color=colors[policy], label=LABELS[policy], markersize=4)
-        # A band's lower end at or below 0 is drawn at the axis floor (the axis is logarithmic).
-        left.fill_between(xs, [max(lo, FLOOR) for lo in lows], highs, color=colors[policy], alpha=0.15,
-                          linewidth=0)
-        ends.append([math.log10(ys[-1]), xs[-1], ys[-1], policy])
-    # Line labels at the right ends, pushed apart where two lines end close together.
+        # Each policy's points are shifted sideways by a few budget units (dodged), so that the
+        # eleven 95% intervals are separate bars rather than bands drawn on top of each other.
+        shift = (i - (len(drawn) - 1) / 2) * DODGE
+        dx = [x + shift for x in xs]
+        left.plot(dx, ys, "o-", color=colors[policy], label=LABELS[policy], markersize=3.5, lw=1.2)
+        # An interval's lower end at or below 0 is drawn at the axis floor (the axis is logarithmic).
+        low_ends = [max(lo, FLOOR) for lo in lows]
+        left.errorbar(dx, ys, yerr=[[y - lo for y, lo in zip(ys, low_ends)], [hi - y for y, hi in zip(ys, highs)]],
+                      fmt="none", ecolor=colors[policy], elinewidth=0.9, alpha=0.55, capsize=0)
+        ends.append([math.log10(ys[-1]), dx[-1], ys[-1], policy])
+    # Line labels at the right ends, pushed apart (in decades of the log axis) where lines end
+    # close together, each joined to its line's end by a thin leader.
     ends.sort()
     for below, above in itertools.pairwise(ends):
-        above[0] = max(above[0], below[0] + 0.06)
+        above[0] = max(above[0], below[0] + LABEL_GAP)
+    label_x = max(budgets, default=256) + 22
     for label_y, x, y, policy in ends:
-        left.annotate(LABELS[policy], (x, y), xytext=(x + 10, 10 ** label_y), textcoords="data",
-                      va="center", fontsize=8, color=colors[policy])
+        left.annotate(LABELS[policy], (x, y), xytext=(label_x, 10 ** label_y), textcoords="data",
+                      va="center", fontsize=8, color=colors[policy],
+                      arrowprops={"arrowstyle": "-", "color": colors[policy], "lw": 0.6, "alpha": 0.7})
     left.set_yscale("log")
     left.set_ylim(FLOOR, None)
     left.set_xticks(sorted(budgets))
-    left.set_xlim(min(budgets, default=96) - 12, max(budgets, default=256) + 85)
+    left.set_xlim(min(budgets, default=96) - 20, max(budgets, default=256) + 95)
     left.set_xlabel("budget N (tokens per layer and KV head)")
     left.set_ylabel("perplexity increase over no eviction")
     tokens = sorted({int(r["n"]) for r in rows if r["panel"] == "delta_ppl" and r["n"]})
-    left.set_title(f"Perplexity, B = {PPL_BLOCK}, {tokens[-1] if tokens else '?'} tokens; bands: 95% CI",
+    left.set_title(f"Perplexity, B = {PPL_BLOCK}, {tokens[-1] if tokens else '?'} tokens; bars: 95% CI",
                    fontsize=10)
     left.grid(True, which="major", alpha=0.3)
 
