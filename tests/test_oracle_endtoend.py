@@ -13,7 +13,8 @@ from refkv.oracle import read_end_to_end, run_end_to_end
 from refkv.oracle.endtoend import export_weights, policy_from_manifest, prompt_tokens
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
-E2E_FILES = sorted((GOLDEN / "e2e").glob("*/*.json"))
+#: Block and one-shot goldens (schedule goldens, indexed by round, are tests/test_oracle_schedule.py's).
+E2E_FILES = sorted(p for p in (GOLDEN / "e2e").glob("*/*.json") if not p.name.startswith("sched-"))
 
 
 def _independent_keep(positions, scores, protected, budget):
