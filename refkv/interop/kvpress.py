@@ -20,10 +20,11 @@ its scorer exposes them. The candidate files mirror the goldens' paths, so ``ref
 check`` reads them.
 
 Which position a row holds is found without trusting the press: after each step every
-row's **value** is matched bit for bit against the rows the layer held just before the
-press compressed it (a forward hook registered before the press's own), since presses
-gather values unchanged (``KeyRerotationPress`` changes keys, not values). A row that
-matches nothing is written as position -1, which the check reports.
+row's key and value are matched bit for bit against the rows the layer held just before
+the press compressed it (a forward hook registered before the press's own), since presses
+gather rows unchanged; a row whose key changed (``KeyRerotationPress`` re-rotates keys) is
+matched by its value alone. A row that matches nothing is written as position -1, which
+the check reports.
 
 Schedules a press can run (others are skipped, with the reason):
 
@@ -100,15 +101,16 @@ def compression_ratio(n: int, keep: int) -> float:
     return (n - keep - 0.5) / n
 
 
-def hf_model(model, dtype: str = "float32"):
+def hf_model(model, dtype: str = "float32", attention: str = "eager"):
     """A transformers model (Llama, Qwen2 or Qwen3 by its features) holding refkv ``model``'s weights.
 
-    Eager attention, so that presses reading attention weights get them.
+    ``attention="eager"`` materialises the attention weights (presses that read them need
+    it); ``"sdpa"`` does not (``BlockPress`` and ``ChunkPress`` refuse attention weights).
     """
     cfg_dict = hf_config_dict(model.config, "float32")
     cfg_dict = {k: v for k, v in cfg_dict.items() if k not in ("architectures", "torch_dtype")}
     config = transformers.AutoConfig.for_model(**cfg_dict)
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     cls = getattr(transformers, hf_config_dict(model.config)["architectures"][0])
     hf = cls(config).eval()
     state = {name: torch.from_numpy(np.array(a, dtype=np.float64, order="C")) for name, a in hf_tensors(model).items()}
@@ -174,26 +176,37 @@ def fit_press(press, schedule: Schedule, prompt_length: int):
         raise Skip(f"{type(press).__name__} does not compress while decoding; the golden has decoding rounds")
     if schedule.prefill_budget is None:
         raise Skip("the golden compresses nothing at prefill")
+    ratio = compression_ratio(prompt_length, schedule.prefill_budget)
+    if isinstance(press, kvpress.PerLayerCompressionPress):
+        press.compression_ratios = [ratio] * len(press.compression_ratios)
+        return press
     if not hasattr(press, "compression_ratio"):
         raise Skip(f"{type(press).__name__} has no compression_ratio to set")
-    press.compression_ratio = compression_ratio(prompt_length, schedule.prefill_budget)
+    press.compression_ratio = ratio
     return press
 
 
-def _scorers(press) -> list:
-    """The ScorerPress objects inside ``press`` whose ``score`` calls are recorded."""
+def needs_attention(press) -> bool:
+    """Whether a press reads the attention weights (then the model runs eager attention)."""
+    return any(isinstance(p, kvpress.ObservedAttentionPress) for p in _all_presses(press))
+
+
+def _all_presses(press) -> list:
     out, todo = [], [press]
     while todo:
         p = todo.pop()
-        if isinstance(p, kvpress.ScorerPress):
-            out.append(p)
+        out.append(p)
         for name in ("base_press", "press", "prefilling_press", "decoding_press"):
             inner = _inner(p, name)
             if inner is not None and dataclasses.is_dataclass(inner):
                 todo.append(inner)
-        for inner in getattr(p, "presses", None) or ():
-            todo.append(inner)
+        todo.extend(getattr(p, "presses", None) or ())
     return out
+
+
+def _scorers(press) -> list:
+    """The ScorerPress objects inside ``press`` whose ``score`` calls are recorded."""
+    return [p for p in _all_presses(press) if isinstance(p, kvpress.ScorerPress)]
 
 
 def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "float32", hf=None) -> dict:
@@ -209,7 +222,7 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if hf is None:
-        hf = hf_model(model_of(g.manifest), dtype)
+        hf = hf_model(model_of(g.manifest), dtype, "eager" if needs_attention(press) else "sdpa")
     prompt, new = g.arrays["prompt"], g.arrays["decode"]
     round_steps = [int(s) for s in g.arrays["round_step"]]
     n_layers = hf.config.num_hidden_layers
@@ -221,11 +234,12 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
 
     def pre_press(module, args, kwargs, output):       # runs before the press's hook (registered first)
         layer = module.layer_idx
-        values = cache.layers[layer].values[0].detach().clone()                     # (Hkv, n, d)
+        keys = cache.layers[layer].keys[0].detach().clone()                         # (Hkv, n, d)
+        values = cache.layers[layer].values[0].detach().clone()
         new_pos = torch.arange(step_positions["first"], step_positions["first"] + step_positions["count"])
         old = positions[layer] if positions[layer] is not None else torch.zeros(values.shape[0], 0, dtype=torch.long)
         pos = torch.cat([old, new_pos.expand(values.shape[0], -1)], dim=1)
-        before[layer] = (values, pos)
+        before[layer] = (keys, values, pos)
         return output
 
     handles = [layer.self_attn.register_forward_hook(pre_press, with_kwargs=True) for layer in hf.model.layers]
@@ -256,7 +270,8 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
                 out = hf(input_ids=ids, past_key_values=cache, position_ids=pos_ids, use_cache=True)
                 first += len(tokens)
                 for layer in range(n_layers):
-                    positions[layer] = _match_rows(cache.layers[layer].values[0], *before[layer])
+                    positions[layer] = _match_rows(cache.layers[layer].keys[0], cache.layers[layer].values[0],
+                                                   *before[layer])
                 if step in round_steps:
                     records.append(_snapshot(cache, positions, before, scores_now, n_layers))
             logits = out.logits[0, -1].to(torch.float64).numpy()
@@ -268,20 +283,41 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
     return _stack(records, logits, dtype)
 
 
-def _match_rows(values, before_values, before_positions) -> torch.Tensor:
-    """(Hkv, m) positions of the rows of ``values`` (Hkv, m, d): each matched bit for bit to a row before."""
+def _match_rows(keys, values, before_keys, before_values, before_positions) -> torch.Tensor:
+    """(Hkv, m) positions of the rows of ``keys``, ``values`` (Hkv, m, d), matched bit for bit to the rows before.
+
+    A row is matched by its key and value together (equal tokens give equal layer-0 values at
+    different positions; RoPE tells their keys apart); a row whose key changed (a press that
+    re-rotates keys) by its value alone; a row that matches nothing is -1.
+    """
     hkv, m, _ = values.shape
+
+    def raw(t, h):
+        return t[h].contiguous().view(torch.uint8).reshape(t.shape[1], -1).numpy()
+
     out = torch.full((hkv, m), -1, dtype=torch.long)
     for h in range(hkv):
-        index: dict[bytes, list[int]] = {}
-        raw_before = before_values[h].contiguous().view(torch.uint8).reshape(before_values.shape[1], -1).numpy()
-        for i, row in enumerate(raw_before):
-            index.setdefault(row.tobytes(), []).append(i)
-        raw = values[h].contiguous().view(torch.uint8).reshape(m, -1).numpy()
-        for j, row in enumerate(raw):
-            hits = index.get(row.tobytes())
+        both: dict[bytes, list[int]] = {}
+        alone: dict[bytes, list[int]] = {}
+        bk, bv = raw(before_keys, h), raw(before_values, h)
+        for i in range(bk.shape[0]):
+            both.setdefault(bk[i].tobytes() + bv[i].tobytes(), []).append(i)
+            alone.setdefault(bv[i].tobytes(), []).append(i)
+        used: set[int] = set()
+        k, v = raw(keys, h), raw(values, h)
+        pending = []
+        for j in range(m):
+            hits = [i for i in both.get(k[j].tobytes() + v[j].tobytes(), ()) if i not in used]
             if hits:
-                out[h, j] = before_positions[h, hits.pop(0)]
+                used.add(hits[0])
+                out[h, j] = before_positions[h, hits[0]]
+            else:
+                pending.append(j)
+        for j in pending:
+            hits = [i for i in alone.get(v[j].tobytes(), ()) if i not in used]
+            if hits:
+                used.add(hits[0])
+                out[h, j] = before_positions[h, hits[0]]
     return out
 
 
@@ -291,7 +327,7 @@ def _snapshot(cache, positions, before, scores_now, n_layers) -> list:
         keys = cache.layers[layer].keys[0].detach().to(torch.float64).numpy().copy()      # (Hkv, m, d)
         values = cache.layers[layer].values[0].detach().to(torch.float64).numpy().copy()
         scored = scores_now.get(layer)
-        score_pos = before[layer][1].numpy() if scored is not None else None
+        score_pos = before[layer][2].numpy() if scored is not None else None
         per.append((positions[layer].numpy().copy(), keys, values,
                     None if scored is None else scored.numpy(), score_pos))
     return per
@@ -343,7 +379,8 @@ def schedule_goldens(reference, policy: str | None = None) -> list[tuple[str, En
 
 
 def write_candidates(press, reference, out, *, policy: str, dtype: str = "float32",
-                     golden_dtype: str | None = None, progress=print) -> dict:
+                     golden_dtype: str | None = None, row_keys: bool = True, declare: dict | None = None,
+                     progress=print) -> dict:
     """Run ``press`` on every schedule golden of ``policy`` under ``reference`` it can run; write candidates.
 
     Parameters
@@ -360,6 +397,12 @@ def write_candidates(press, reference, out, *, policy: str, dtype: str = "float3
     golden_dtype : str, optional
         Only goldens of this dtype (default: all; a float32 press is checked against a
         float64 golden with tolerances scaled to float32).
+    row_keys : bool
+        Write the rows' keys (checked against the position each row claims). ``False`` for a
+        press that changes kept keys by design (``KeyRerotationPress`` re-rotates them).
+    declare : dict, optional
+        Declared differences written into the files (``{"kept_only": True}``: logits and
+        scores not compared).
 
     Returns
     -------
@@ -381,11 +424,15 @@ def write_candidates(press, reference, out, *, policy: str, dtype: str = "float3
         except Skip as why:
             skipped[rel] = str(why)
             continue
-        key = repr(g.manifest["model"].get("builder")), g.manifest["model"].get("seed")
+        attention = "eager" if needs_attention(fitted) else "sdpa"
+        key = repr(g.manifest["model"].get("builder")), g.manifest["model"].get("seed"), attention
         if key not in models:
-            models[key] = hf_model(model_of(g.manifest), dtype)
+            models[key] = hf_model(model_of(g.manifest), dtype, attention)
         arrays = run_press(fitted, g, dtype=dtype, hf=models[key])
-        manifest = {**header(E2E_SCHEMA, SCHEDULE_VERSION), "computed_dtype": dtype,
+        if not row_keys:
+            del arrays["row_keys"]
+        manifest = {**header(E2E_SCHEMA, SCHEDULE_VERSION), "computed_dtype": dtype, **(
+                    {"declare": dict(declare)} if declare else {}),
                     "candidate": {"press": repr(fitted), "kvpress_version": getattr(kvpress, "__version__", "?"),
                                   "transformers_version": transformers.__version__}}
         target = Path(out) / rel
