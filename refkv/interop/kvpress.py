@@ -270,8 +270,12 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
                 out = hf(input_ids=ids, past_key_values=cache, position_ids=pos_ids, use_cache=True)
                 first += len(tokens)
                 for layer in range(n_layers):
-                    positions[layer] = _match_rows(cache.layers[layer].keys[0], cache.layers[layer].values[0],
-                                                   *before[layer])
+                    keys_now, values_now = cache.layers[layer].keys[0], cache.layers[layer].values[0]
+                    b_keys, b_values, b_pos = before[layer]
+                    if torch.equal(keys_now, b_keys) and torch.equal(values_now, b_values):
+                        positions[layer] = b_pos  # the press left the rows as they were
+                    else:
+                        positions[layer] = _match_rows(keys_now, values_now, b_keys, b_values, b_pos)
                 if step in round_steps:
                     records.append(_snapshot(cache, positions, before, scores_now, n_layers))
             logits = out.logits[0, -1].to(torch.float64).numpy()

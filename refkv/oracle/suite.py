@@ -59,7 +59,7 @@ from .synthetic import (
 from .vectors import DEFAULT_TOLERANCE, encode_case, json_params, vectors_document
 
 __all__ = ["BUDGETS", "E2E_MODELS", "E2E_SETTINGS", "ONESHOT_SETTINGS", "RECIPES", "REGENERATION_BOUND",
-           "SCHEDULE_SETTINGS", "VARIANTS", "Recipe", "ScheduleSetting", "Setting", "generate_suite",
+           "SCHEDULE_SETTINGS", "VARIANTS", "Recipe", "ScheduleSetting", "Setting", "generate_schedules", "generate_suite",
            "library_policies", "policy_schedules", "read_suite", "regeneration_differences"]
 
 #: Budgets tried for vector cases, smallest first: a policy's cases use the smallest its
@@ -497,6 +497,60 @@ def policy_schedules(name: str) -> tuple[list[tuple[str, dict, dict]], list[dict
             out.append((label, manifest, arrays))
             ran_oneshot_budget |= i == 2
     return out, skipped
+
+
+def load_golden_model(name: str, dtype: str):
+    """A model for goldens: a name of :data:`refkv.oracle.endtoend.MODELS` (seeded random weights),
+    ``"smollm2"`` or a checkpoint path (:func:`refkv.model.load`)."""
+    from ..model import load
+    from .endtoend import MODELS
+
+    if name in MODELS:
+        return build_model(name, MODEL_SEED, dtype)
+    return load(name, dtype=np.dtype(dtype))
+
+
+def generate_schedules(out, policies: list[str] | None, schedule, *, model: str = "tiny", prompt_length: int = 128,
+                       dtype: str | None = None, progress=None) -> dict:
+    """Schedule goldens of ``policies`` (default: every library policy) for one model and schedule.
+
+    Written as ``out/e2e/<policy>/<model>-<label>-<dtype>.json`` (+ ``.npz``) in a folder of
+    golden files without ``suite.json`` (``refkv golden check`` finds them by their schema).
+    A real checkpoint defaults to float32 (the reduced set: one precision, one schedule).
+    A policy that refuses the schedule is skipped and listed. Returns ``{"written", "skipped"}``.
+    """
+    from .endtoend import MODELS, run_schedule_golden, write_end_to_end
+
+    out = Path(out)
+    if (out / "suite.json").exists():
+        raise ValueError(f"--out {out} holds a golden suite (suite.json); write custom goldens to another folder")
+    names = _policy_names(policies)
+    dtype = dtype or ("float64" if model in MODELS else "float32")
+    built = load_golden_model(model, dtype)
+    tag = re.sub(r"[^A-Za-z0-9_.+-]", "_", Path(model).name if model not in MODELS else model)
+    sched = schedule
+    label = (f"{tag}-sched-{'oneshot' if sched.block_size is None else 'B%d' % sched.block_size}"
+             f"{'' if sched.prefill_budget is None else sched.prefill_budget}-K{sched.interval}-"
+             f"{'N%d' % sched.budget if sched.rule == 'interval' else 'ratio%g' % sched.ratio}-{dtype}")
+    written, skipped = [], []
+    for name in names:
+        try:
+            manifest, arrays = run_schedule_golden(policy_registry.get(name), sched, dtype=dtype,
+                                                   prompt_length=prompt_length, model_seed=MODEL_SEED,
+                                                   prompt_seed=PROMPT_SEED, decode_seed=DECODE_SEED, model=model,
+                                                   built=None if model in MODELS else built)
+        except ValueError as err:
+            skipped.append({"policy": name, "reason": str(err)})
+            if progress is not None:
+                progress(f"{name}: skipped: {err}")
+            continue
+        path = out / "e2e" / name / f"{label}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_end_to_end(path, manifest, arrays)
+        written.append(str(path))
+        if progress is not None:
+            progress(f"{name}: {path} ({manifest['n_rounds']} rounds)")
+    return {"written": written, "skipped": skipped}
 
 
 # -- paths inside the suite folder -----------------------------------------------------------------
