@@ -167,9 +167,10 @@ def _check_schedule_file(candidate_path, ref, *, dtype, declare, tolerance_facto
     from .endtoend import read_end_to_end
     from .rounds import compare_schedule
 
-    if final_only:
-        return FileReport(rel, "e2e", Status.FAIL, failures=[
-            "a schedule golden has no final-only form: give the kept positions after every round"], compared=0)
+    if final_only:  # not compared (counted as such: a check of schedule goldens only compares nothing and fails)
+        return FileReport(rel, "e2e", Status.OK, notes=["warning: not compared: a schedule golden has no final-only "
+                                                        "form (the kept positions after every round are needed)"],
+                          compared=0)
     cand = read_end_to_end(candidate_path, candidate=True)
     name, decl, notes = _settings(cand.manifest, str(candidate_path), dtype, declare, source)
     res = compare_schedule(cand.arrays, ref.arrays, ref.manifest, dtype=name, declare=decl,
