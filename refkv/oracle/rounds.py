@@ -5,19 +5,20 @@ compression round, layer and KV head, the positions the reference holds, the can
 of its eviction with their scores, and a fingerprint of the key and value each kept
 position holds. A candidate gives, per round (arrays indexed like the golden's):
 
-``kept`` (R, L, Hkv, K) int, required
-    The position each **cache row** holds after the round, in the candidate's own row
-    order (kvpress's ``topk`` + ``gather`` leaves rows in score order), padded with -1
-    beyond ``kept_count``. Compared as sets: a permutation of the right positions passes.
-``kept_count`` (R, L) int and ``logits`` (vocab,), required.
-``row_keys``, ``row_values`` (R, L, Hkv, K, d_head) float, optional
-    What each row holds. Row ``i`` must hold the key (value) of the position ``kept``
-    says it holds: its fingerprint (:data:`refkv.oracle.endtoend.PRINT_RULE`) must match
-    the reference's for that position within ``tolerance.prints``.
-``scores`` with ``score_positions`` (R, L, Hkv, C), optional
-    The candidate's scores at the round's eviction, for the positions it gives (-1
-    padding; ``candidates`` is read in place of ``score_positions``, the golden's layout); compared with the reference's scores of the same positions (exact scores:
-    a declaration other than ``scores=exact`` or ``kept_only`` skips them, with a note).
+* ``kept`` (R, L, Hkv, K) int, required: the position each **cache row** holds after the
+  round, in the candidate's own row order (kvpress's ``topk`` + ``gather`` leaves rows in
+  score order), padded with -1 beyond ``kept_count``. Compared as sets: a permutation of
+  the right positions passes.
+* ``kept_count`` (R, L) int and ``logits`` (vocab,), required.
+* ``row_keys``, ``row_values`` (R, L, Hkv, K, d_head) float, optional: what each row
+  holds. Row ``i`` must hold the key (value) of the position ``kept`` says it holds: its
+  fingerprint (:data:`refkv.oracle.endtoend.PRINT_RULE`) must match the reference's for
+  that position within ``tolerance.prints``.
+* ``scores`` with ``score_positions`` (R, L, Hkv, C), optional: the candidate's scores at
+  the round's eviction, for the positions it gives (-1 padding; ``candidates`` is read in
+  place of ``score_positions``, the golden's layout); compared with the reference's scores
+  of the same positions (exact scores: a declaration other than ``scores=exact`` or
+  ``kept_only`` skips them, with a note).
 
 Every divergence is reported with its round, layer, head and kind -- **protected
 position evicted**, **kept-set difference beyond ties**, **score beyond tolerance**,
