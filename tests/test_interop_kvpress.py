@@ -30,9 +30,8 @@ torch = pytest.importorskip("torch", reason="the kvpress interop tests need torc
 kvpress = pytest.importorskip("kvpress", reason="the kvpress interop tests need kvpress: pip install 'refkv[interop]'")
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install 'refkv[interop]'")
 
-from refkv.interop import kvpress as ka  # noqa: E402
-
 from refkv.cli import main  # noqa: E402
+from refkv.interop import kvpress as ka  # noqa: E402
 from refkv.oracle.io import write_json  # noqa: E402
 from refkv.oracle.vectors import candidate_document  # noqa: E402
 from refkv.policies import available, select  # noqa: E402

@@ -36,10 +36,9 @@ DECODING = {
 }
 
 
-def _check(candidate, reference, policy, *extra) -> tuple[int, str]:
-    code = main(["golden", "check", str(candidate), "--against", str(reference), "--kind", "e2e",
+def _check(candidate, reference, policy, *extra) -> int:
+    return main(["golden", "check", str(candidate), "--against", str(reference), "--kind", "e2e",
                  "--policies", policy, "--allow-missing", "--case-dtype", "all", "--verbose", *extra])
-    return code
 
 
 def _run(press, reference, tmp_path, policy, capsys, dtype="float32", **kwargs):
@@ -160,3 +159,32 @@ def test_block_press_is_one_shot_for_independent_scores_only(prefill_goldens, tm
     code, report, _ = _run(kvpress.BlockPress(kvpress.KeyDiffPress(), block_size=8), prefill_goldens,
                            tmp_path / "d", "keydiff", capsys)
     assert code == 1 and "kept-set difference beyond ties" in report
+
+
+# -- scorers whose kvpress form is not refkv's default policy under decoding ---------------------------------
+DIFFERS = {  # press -> (refkv policy, the first divergence the check reports, why)
+    "TOVAPress": ("tova", "kept-set difference beyond ties",
+                  "the press averages the last query's weights over all query heads (refkv's option "
+                  "all_heads=True), refkv's default over the KV head's group"),
+    "ObservedAttentionPress": ("h2o", "kept-set difference beyond ties",
+                               "under DecodingPress the press sees only the current step's attention, not H2O's "
+                               "accumulated sums (and refkv's H2O keeps a recent window)"),
+    "ExpectedAttentionPress": ("expected_attention", "protected position evicted",
+                               "while decoding the press estimates queries from its buffered hidden states and "
+                               "protects no sink; refkv's policy is kvpress's one-shot form"),
+}
+
+
+@pytest.mark.parametrize("press", list(DIFFERS))
+def test_scorers_that_differ_under_decoding_are_reported_at_round_0(press, tmp_path, capsys):
+    policy, kind, _why = DIFFERS[press]
+    code, report, _ = _run(kvpress.DecodingPress(getattr(kvpress, press)()), GOLDEN, tmp_path, policy, capsys,
+                           golden_dtype="float32")
+    assert code == 1 and f"first diverged at round 0 (decode step 4, 28 tokens seen, budget 16): {kind}" in report
+
+
+def test_snapkv_cannot_run_decoding_rounds_shorter_than_its_window(tmp_path):
+    """kvpress's SnapKVPress needs more buffered queries than its window (64): every 4 tokens is refused."""
+    with pytest.raises(AssertionError, match="should be greater than the window size 64"):
+        write_candidates(kvpress.DecodingPress(kvpress.SnapKVPress()), GOLDEN, tmp_path, policy="snapkv",
+                         progress=None)

@@ -97,7 +97,7 @@ def test_k1_is_the_engines_own_rule():
 
 def test_new_tokens_must_match_the_schedule():
     engine = Engine(builtin_model(seed=0), "keydiff")
-    with pytest.raises(ValueError, match="new_tokens must hold schedule.new_tokens = 3"):
+    with pytest.raises(ValueError, match=r"new_tokens must hold schedule\.new_tokens = 3"):
         run_schedule(engine, [1, 2, 3], [4, 5], Schedule(budget=2, new_tokens=3))
 
 

@@ -52,15 +52,15 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-import kvpress  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import kvpress
+import torch
+import transformers
 
-from ..oracle.endtoend import EndToEnd, build_model, is_schedule, read_end_to_end, write_end_to_end  # noqa: E402
-from ..oracle.hfexport import hf_config_dict, hf_tensors  # noqa: E402
-from ..oracle.io import write_json  # noqa: E402
-from ..oracle.schema import E2E_SCHEMA, SCHEDULE_VERSION, header  # noqa: E402
-from ..oracle.synthetic import (  # noqa: E402
+from ..oracle.endtoend import EndToEnd, build_model, is_schedule, read_end_to_end, write_end_to_end
+from ..oracle.hfexport import hf_config_dict, hf_tensors
+from ..oracle.io import write_json
+from ..oracle.schema import E2E_SCHEMA, SCHEDULE_VERSION, header
+from ..oracle.synthetic import (
     duplicate_key,
     huge_logits,
     near_duplicate_key,
@@ -69,11 +69,11 @@ from ..oracle.synthetic import (  # noqa: E402
     replay,
     zero_key,
 )
-from ..oracle.vectors import encode_case, vectors_document  # noqa: E402
-from ..policies import get as get_policy  # noqa: E402
-from ..policies import select  # noqa: E402
-from ..schedule import Schedule  # noqa: E402
-from ..testing import assert_case, load_cases  # noqa: E402
+from ..oracle.vectors import encode_case, vectors_document
+from ..policies import get as get_policy
+from ..policies import select
+from ..schedule import Schedule
+from ..testing import assert_case, load_cases
 
 __all__ = ["CASE_DTYPE", "DEFECTS", "DTYPES", "PAIRINGS", "Defect", "Pairing", "Skip", "ToleranceGap", "check",
            "compression_ratio", "docs_blocks", "fit_press", "hf_model", "model_of", "oneshot_documents", "outcome",
@@ -260,7 +260,7 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
     records = []
     try:
         with torch.no_grad(), press(hf):
-            feeds = [prompt] + [[int(t)] for t in new]
+            feeds = [prompt, *([int(t)] for t in new)]
             first = 0
             for step, tokens in enumerate(feeds):
                 step_positions.update(first=first, count=len(tokens))

@@ -264,7 +264,7 @@ def _check_rows(res, r, l, h, where, a_rows, r_pos, reference, row_keys, row_val
         bad = np.abs(got - want) > atol + p_rtol * np.abs(want)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            row, j = held[i]
+            row = held[i][0]
             owner = [int(p) for p, w in zip(r_pos, prints[r, l, h, :len(r_pos)])
                      if abs(w - got[i]) <= atol + p_rtol * abs(w)]
             hint = (f"; it matches the reference's {name} of position {owner[0]}" if owner else "")

@@ -59,8 +59,8 @@ from .synthetic import (
 from .vectors import DEFAULT_TOLERANCE, encode_case, json_params, vectors_document
 
 __all__ = ["BUDGETS", "E2E_MODELS", "E2E_SETTINGS", "ONESHOT_SETTINGS", "RECIPES", "REGENERATION_BOUND",
-           "SCHEDULE_SETTINGS", "VARIANTS", "Recipe", "ScheduleSetting", "Setting", "generate_schedules", "generate_suite",
-           "library_policies", "policy_schedules", "read_suite", "regeneration_differences"]
+           "SCHEDULE_SETTINGS", "VARIANTS", "Recipe", "ScheduleSetting", "Setting", "generate_schedules",
+           "generate_suite", "library_policies", "policy_schedules", "read_suite", "regeneration_differences"]
 
 #: Budgets tried for vector cases, smallest first: a policy's cases use the smallest its
 #: ``check`` accepts (small budgets make small files).
@@ -529,9 +529,10 @@ def generate_schedules(out, policies: list[str] | None, schedule, *, model: str 
     built = load_golden_model(model, dtype)
     tag = re.sub(r"[^A-Za-z0-9_.+-]", "_", Path(model).name if model not in MODELS else model)
     sched = schedule
-    label = (f"{tag}-sched-{'oneshot' if sched.block_size is None else 'B%d' % sched.block_size}"
-             f"{'' if sched.prefill_budget is None else sched.prefill_budget}-K{sched.interval}-"
-             f"{'N%d' % sched.budget if sched.rule == 'interval' else 'ratio%g' % sched.ratio}-{dtype}")
+    prefill = "oneshot" if sched.block_size is None else f"B{sched.block_size}"
+    rule = f"N{sched.budget}" if sched.rule == "interval" else f"ratio{sched.ratio:g}"
+    label = (f"{tag}-sched-{prefill}{'' if sched.prefill_budget is None else sched.prefill_budget}"
+             f"-K{sched.interval}-{rule}-{dtype}")
     written, skipped = [], []
     for name in names:
         try:
