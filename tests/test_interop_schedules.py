@@ -188,3 +188,46 @@ def test_snapkv_cannot_run_decoding_rounds_shorter_than_its_window(tmp_path):
     with pytest.raises(AssertionError, match="should be greater than the window size 64"):
         write_candidates(kvpress.DecodingPress(kvpress.SnapKVPress()), GOLDEN, tmp_path, policy="snapkv",
                          progress=None)
+
+
+# -- the table of docs/oracle/decoding.rst, from the outcomes asserted above ---------------------------------
+PRESSES = ("KeyDiffPress", "KnormPress", "StreamingLLMPress", "TOVAPress", "ObservedAttentionPress",
+           "ExpectedAttentionPress", "SnapKVPress")
+WRAPPERS = (*DECODING, "PerLayerCompressionPress", "KeyRerotationPress", "ChunkPress", "BlockPress")
+CLASS = {"keydiff": "KeyDiffPress", "knorm": "KnormPress"}
+
+
+def outcome_table() -> dict:
+    """``{(press, wrapper): status}`` of every combination the tests above run, with their asserted result."""
+    table = {}
+    for scorer in SCORERS:
+        for wrapper in DECODING:
+            table[CLASS[scorer], wrapper] = "matches"
+        for wrapper, (_, options, expected) in PREFILL.items():
+            if wrapper != "bare":
+                declared = " (re-rotated keys declared)" if options else ""
+                table[CLASS[scorer], wrapper] = ("matches" + declared if expected == "pass"
+                                                 else f"differs by design ({expected})")
+    table["KnormPress", "BlockPress"] = "matches"
+    table["KeyDiffPress", "BlockPress"] = "differs by design (block-wise selection over one-shot attention)"
+    table["StreamingLLMPress", "DecodingPress"] = "kvpress defect (sink tokens evicted from the second round)"
+    for press in DIFFERS:
+        table[press, "DecodingPress"] = "differs from refkv's default (round 0)"
+    table["SnapKVPress", "DecodingPress"] = "cannot run (rounds shorter than its window)"
+    return table
+
+
+def table_rst() -> str:
+    lines = [".. list-table::", "   :header-rows: 1", "", "   * - press", *(f"     - {w}" for w in WRAPPERS)]
+    table = outcome_table()
+    for press in PRESSES:
+        lines.append(f"   * - ``{press}``")
+        lines += [f"     - {table.get((press, w), 'not run')}" for w in WRAPPERS]
+    return "\n".join(lines) + "\n"
+
+
+def test_docs_table_is_the_outcomes():
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "oracle" / "decoding.rst").read_text()
+    begin, end = ".. begin-decoding-table\n", ".. end-decoding-table\n"
+    shown = page[page.index(begin) + len(begin):page.index(end)].strip("\n")
+    assert shown == table_rst().strip("\n"), "docs/oracle/decoding.rst's table is stale; paste:\n" + table_rst()
