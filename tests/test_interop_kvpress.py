@@ -1,6 +1,6 @@
 """NVIDIA kvpress as a tested client of refkv's oracle (issue 12 F).
 
-kvpress's presses run, through the adapter of ``tests/kvpress_adapter.py``, on
+kvpress's presses run, through the public adapter :mod:`refkv.interop.kvpress`, on
 
 * one-shot cases built here with the public API (``replay`` with ``block_size = T``,
   ``encode_case``): GQA and MHA, zero-norm, duplicate and near-duplicate keys, huge
@@ -30,9 +30,8 @@ torch = pytest.importorskip("torch", reason="the kvpress interop tests need torc
 kvpress = pytest.importorskip("kvpress", reason="the kvpress interop tests need kvpress: pip install 'refkv[interop]'")
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install 'refkv[interop]'")
 
-import kvpress_adapter as ka  # noqa: E402
-
 from refkv.cli import main  # noqa: E402
+from refkv.interop import kvpress as ka  # noqa: E402
 from refkv.oracle.io import write_json  # noqa: E402
 from refkv.oracle.vectors import candidate_document  # noqa: E402
 from refkv.policies import available, select  # noqa: E402
@@ -372,7 +371,7 @@ def test_docs_table_matches_the_outcomes():
     shown = _page_block(".. begin-table\n", ".. end-table\n").strip("\n")
     expected = ka.table_rst(ka.tally(FOLDERS)).strip("\n")
     assert shown == expected, ("docs/oracle/kvpress.rst's table is stale; regenerate it with "
-                               "`python tests/kvpress_adapter.py` and paste:\n" + expected)
+                               "`python -m refkv.interop.kvpress tests/golden` and paste:\n" + expected)
 
 
 def test_docs_list_every_press_and_defect():

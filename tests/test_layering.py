@@ -49,3 +49,13 @@ def test_no_library_module_imports_the_cli():
     offenders = sorted(_module_name(path) for path in PACKAGE.rglob("*.py") if path not in ENTRY_POINTS
                        and "refkv.cli" in _imported_modules(path.read_text(encoding="utf-8"), _module_name(path)))
     assert offenders == [], f"these modules import refkv.cli: {offenders}"
+
+
+def test_no_core_module_imports_the_interop_adapters():
+    """refkv.interop needs torch, transformers and kvpress (the interop extra): the core never imports it."""
+    interop = PACKAGE / "interop"
+    offenders = sorted(_module_name(path) for path in PACKAGE.rglob("*.py") if interop not in path.parents
+                       and any(name == "refkv.interop" or name.startswith("refkv.interop.")
+                               for name in _imported_modules(path.read_text(encoding="utf-8"), _module_name(path))))
+    assert offenders == [], f"these core modules import refkv.interop: {offenders}"
+    assert "refkv.interop" in _imported_modules("from ..interop import kvpress", "refkv.oracle.cli")

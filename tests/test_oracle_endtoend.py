@@ -14,7 +14,8 @@ from refkv.oracle.endtoend import export_weights, policy_from_manifest, prompt_t
 from refkv.policies.adakv import safeguard
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
-E2E_FILES = sorted((GOLDEN / "e2e").glob("*/*.json"))
+#: Block and one-shot goldens (schedule goldens, indexed by round, are tests/test_oracle_schedule.py's).
+E2E_FILES = sorted(p for p in (GOLDEN / "e2e").glob("*/*.json") if not p.name.startswith("sched-"))
 
 
 def _independent_keep(positions, scores, protected, budget):
@@ -212,3 +213,23 @@ def test_one_shot_goldens_attend_over_the_whole_prompt_then_evict_once_per_layer
         assert (a["candidate_count"] == t).all(), path
         assert [int((a["kept"][0, l] >= 0).sum()) for l in range(n_layers)] == [n * hkv for n in budgets], path
         assert (a["candidates"][0, :, :, :t] == np.arange(t)).all(), path
+
+
+@pytest.mark.parametrize("path", [GOLDEN / "e2e" / "keydiff" / "N8-B4-float64.json",
+                                  GOLDEN / "e2e" / "h2o" / "N16-B1-float64.json"], ids=lambda p: p.parent.name)
+def test_a_permuted_cache_passes_at_every_block_evicting_or_not(path):
+    """Issue 22 B: kept positions are a set; rows in another order (kvpress's topk order) hold the same tokens."""
+    from refkv.oracle.walk import compare_end_to_end
+
+    g = read_end_to_end(path)
+    kept = g.arrays["kept"].copy()
+    rng = np.random.default_rng(0)
+    for idx in np.ndindex(*kept.shape[:3]):
+        k = g.arrays["kept_count"][idx[:2]]
+        kept[idx][:k] = rng.permutation(kept[idx][:k])
+    assert (g.arrays["candidate_count"] == 0).any()  # non-evicting blocks are among them
+    cand = {"kept": kept, "kept_count": g.arrays["kept_count"], "logits": g.arrays["logits"]}
+    res = compare_end_to_end(cand, g.arrays, g.manifest)
+    assert res.ok, res.failure
+    kept[-1, 0, 0, 0] = kept[-1, 0, 0, 1]  # a position claimed twice is no permutation
+    assert not compare_end_to_end(cand, g.arrays, g.manifest).ok

@@ -130,11 +130,15 @@ def check_end_to_end_file(candidate_path, reference_path, *, dtype=None, declare
                           tolerance_factor: float = 1.0, strict_ties: bool = False, final_only: bool = False,
                           check_dtype="kind", rel: str | None = None, source: str = "argument") -> FileReport:
     """Compare a candidate end-to-end golden with the reference one (per block, or ``final_only``)."""
-    from .endtoend import read_end_to_end
+    from .endtoend import is_schedule, read_end_to_end
     from .walk import compare_end_to_end
 
     rel = rel or str(reference_path)
     ref = read_end_to_end(reference_path)
+    if is_schedule(ref.manifest):
+        return _check_schedule_file(candidate_path, ref, dtype=dtype, declare=declare,
+                                    tolerance_factor=tolerance_factor, strict_ties=strict_ties,
+                                    final_only=final_only, check_dtype=check_dtype, rel=rel, source=source)
     cand = _read_candidate_e2e(candidate_path, final_only)
     name, decl, notes = _settings(cand.manifest, str(candidate_path), dtype, declare, source)
     res = compare_end_to_end(cand.arrays, ref.arrays, ref.manifest, dtype=name, declare=decl,
@@ -147,6 +151,37 @@ def check_end_to_end_file(candidate_path, reference_path, *, dtype=None, declare
     head = f"{ref.label}: {res.decisions} {steps} compared"
     if res.unchecked:
         head += f", {res.unchecked} downstream of a tie not compared"
+    report.summary = head + (f"; logits {res.logits}" if res.logits else "")
+    if res.failure:
+        report.status = Status.FAIL
+        report.failures.append(res.failure)
+    elif res.ties:
+        report.status = Status.TIE
+    report.ties = [t.describe() for t in res.ties]
+    return report
+
+
+def _check_schedule_file(candidate_path, ref, *, dtype, declare, tolerance_factor, strict_ties, final_only,
+                         check_dtype, rel, source) -> FileReport:
+    """A candidate's rounds against a schedule golden (:mod:`refkv.oracle.rounds`)."""
+    from .endtoend import read_end_to_end
+    from .rounds import compare_schedule
+
+    if final_only:  # not compared (counted as such: a check of schedule goldens only compares nothing and fails)
+        return FileReport(rel, "e2e", Status.OK, notes=["warning: not compared: a schedule golden has no final-only "
+                                                        "form (the kept positions after every round are needed)"],
+                          compared=0)
+    cand = read_end_to_end(candidate_path, candidate=True)
+    name, decl, notes = _settings(cand.manifest, str(candidate_path), dtype, declare, source)
+    res = compare_schedule(cand.arrays, ref.arrays, ref.manifest, dtype=name, declare=decl,
+                           tolerance_factor=tolerance_factor, strict_ties=strict_ties, check_dtype=check_dtype)
+    report = FileReport(rel, "e2e", Status.OK, notes=notes + res.notes, compared=res.decisions)
+    report.notes.insert(len(notes), f"form: every round of the schedule ({ref.manifest.get('schedule_text', '')}); "
+                                    f"kept positions as sets, {res.rows_checked} rows' keys checked, "
+                                    f"{res.scores_checked} scores compared")
+    head = f"{ref.label}: {res.decisions} (round, layer) steps compared"
+    if res.unchecked:
+        head += f", {res.unchecked} downstream of a tie or divergence not compared"
     report.summary = head + (f"; logits {res.logits}" if res.logits else "")
     if res.failure:
         report.status = Status.FAIL

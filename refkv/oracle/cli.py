@@ -25,6 +25,22 @@ def add_golden_command(sub) -> None:
     g.add_argument("--out", required=True, help="directory to write (created if needed)")
     g.add_argument("--policies", nargs="+", metavar="NAME", help="only these policies (names or a,b,c)")
     g.add_argument("--quiet", action="store_true", help="no progress lines")
+    s = g.add_argument_group("schedule goldens for one model and schedule (any of these options: only those "
+                             "goldens are written, into a folder without suite.json)")
+    s.add_argument("--model", metavar="NAME|PATH",
+                   help="tiny, llama3, qwen2, qwen3 (seeded random weights), smollm2, or a checkpoint directory / "
+                        ".gguf file")
+    s.add_argument("--budget", type=int, metavar="N", help="decoding rounds keep N tokens per layer and KV head")
+    s.add_argument("--ratio", type=float, metavar="R",
+                   help="decoding rounds keep max(1, int(seen * (1 - R))) instead of N (CompressionRatioDecodingPress)")
+    s.add_argument("--interval", type=int, metavar="K", help="compress every K decoding steps (default 16)")
+    s.add_argument("--new-tokens", type=int, metavar="D", help="decoding steps (default 3 K: three rounds)")
+    s.add_argument("--prefill", metavar="oneshot|B", help="one-shot prefill (default) or blocks of B tokens")
+    s.add_argument("--prefill-budget", type=int, metavar="N0",
+                   help="compress the prompt to N0 per block (default: not compressed, DecodingPress alone)")
+    s.add_argument("--prompt-length", type=int, metavar="T", help="prompt tokens (default 128)")
+    s.add_argument("--dtype", choices=("float32", "float64"),
+                   help="default float64 for the tiny models, float32 for a checkpoint")
     g.set_defaults(func=_cmd_generate)
 
     c = gsub.add_parser("check", help="compare a candidate directory with a golden suite; exit 1 on failure")
@@ -61,21 +77,62 @@ def add_golden_command(sub) -> None:
 
     from .endtoend import MODELS
 
-    w = gsub.add_parser("weights", help="export the weights of an end-to-end golden's model (npz + JSON manifest)")
-    w.add_argument("--out", required=True, help="the .npz file to write")
-    w.add_argument("--model", default="tiny", choices=sorted(MODELS),
-                   help="which model: the built-in tiny Llama or a tiny model of another architecture "
-                        "(default tiny)")
+    w = gsub.add_parser("weights", help="export the weights of a golden's model: a transformers checkpoint "
+                                        "directory (config.json + model.safetensors), or npz + JSON manifest")
+    w.add_argument("--out", required=True,
+                   help="a directory (transformers loads it: AutoModelForCausalLM.from_pretrained(OUT)), or a "
+                        ".npz file (refkv's names and layout, tiny models only)")
+    w.add_argument("--model", default="tiny", metavar="NAME|PATH",
+                   help=f"{', '.join(sorted(MODELS))} (seeded random weights), smollm2, or a checkpoint directory / "
+                        f".gguf file (default tiny)")
     w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--dtype", choices=("float32", "float64"), default="float64")
+    w.add_argument("--dtype", choices=("float32", "float64"),
+                   help="default float64 for the tiny models, float32 for a checkpoint")
     w.set_defaults(func=_cmd_weights)
 
 
+_SCHEDULE_OPTIONS = ("model", "budget", "ratio", "interval", "new_tokens", "prefill", "prefill_budget",
+                     "prompt_length", "dtype")
+
+
+def _schedule_of(args):
+    """The Schedule the generate options describe (one-line ValueErrors name the option)."""
+    from ..schedule import Schedule
+
+    block = None
+    if args.prefill not in (None, "oneshot"):
+        try:
+            block = int(args.prefill)
+        except ValueError:
+            raise ValueError(f"--prefill must be 'oneshot' or a block size >= 1, got {args.prefill!r}") from None
+    interval = 16 if args.interval is None else args.interval
+    if args.ratio is not None and args.budget is not None:
+        raise ValueError("--budget and --ratio exclude each other (a round keeps N, or a fraction of the tokens seen)")
+    budget = args.budget if args.ratio is None else None
+    if args.ratio is None and budget is None:
+        budget = 64
+    try:
+        return Schedule(block_size=block, prefill_budget=args.prefill_budget, interval=interval, budget=budget,
+                        rule="ratio" if args.ratio is not None else "interval", ratio=args.ratio,
+                        new_tokens=3 * interval if args.new_tokens is None else args.new_tokens)
+    except ValueError as err:
+        raise ValueError(f"--{str(err).replace('_', '-')}") from None
+
+
 def _cmd_generate(args) -> int:
-    from .suite import generate_suite
+    from .suite import generate_schedules, generate_suite
 
     start = time.perf_counter()
     say = None if args.quiet else print
+    if any(getattr(args, name) is not None for name in _SCHEDULE_OPTIONS):
+        sched = _schedule_of(args)
+        if args.prompt_length is not None and args.prompt_length < 1:
+            raise ValueError(f"--prompt-length must be an integer >= 1, got {args.prompt_length}")
+        done = generate_schedules(args.out, _names(args.policies), sched, model=args.model or "tiny",
+                                  prompt_length=args.prompt_length or 128, dtype=args.dtype, progress=say)
+        print(f"wrote {len(done['written'])} schedule goldens ({sched.describe()}) for model {args.model or 'tiny'} "
+              f"to {args.out} ({len(done['skipped'])} policies skipped) in {time.perf_counter() - start:.1f} s")
+        return 0 if done["written"] else 1
     index = generate_suite(args.out, _names(args.policies), progress=say)
     n_vec = sum(1 for f in index["files"] if f["kind"] == "vectors")
     n_e2e = len(index["files"]) - n_vec
@@ -112,9 +169,31 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_weights(args) -> int:
-    from .endtoend import export_weights
+    from pathlib import Path
 
-    m = export_weights(args.out, seed=args.seed, dtype=args.dtype, model=args.model)
-    print(f"wrote {len(m['arrays']['contents'])} arrays of model {args.model} (seed {args.seed}, {args.dtype}) to "
-          f"{args.out} and its manifest to {m['arrays']['file'].rsplit('.', 1)[0]}.json")
+    from .endtoend import MODELS, export_weights
+
+    if args.out.endswith(".npz"):
+        if args.model not in MODELS:
+            raise ValueError(f"--model {args.model!r}: the .npz export is for {', '.join(sorted(MODELS))}; write a "
+                             f"checkpoint directory instead (--out DIR)")
+        dtype = args.dtype or "float64"
+        m = export_weights(args.out, seed=args.seed, dtype=dtype, model=args.model)
+        print(f"wrote {len(m['arrays']['contents'])} arrays of model {args.model} (seed {args.seed}, {dtype}) to "
+              f"{args.out} and its manifest to {m['arrays']['file'].rsplit('.', 1)[0]}.json")
+        return 0
+    from .hfexport import write_checkpoint
+    from .suite import load_golden_model
+
+    dtype = args.dtype or ("float64" if args.model in MODELS else "float32")
+    if args.model in MODELS:
+        from .endtoend import build_model
+
+        model = build_model(args.model, args.seed, dtype)
+    else:
+        model = load_golden_model(args.model, dtype)
+    config = write_checkpoint(args.out, model, extra={"refkv": {"model": args.model, "seed": args.seed,
+                                                                "dtype": dtype}})
+    print(f"wrote {config['architectures'][0]} checkpoint of model {args.model} ({dtype}) to {Path(args.out)}: "
+          f"config.json + model.safetensors (transformers: AutoModelForCausalLM.from_pretrained)")
     return 0

@@ -37,11 +37,12 @@ from ..engine import Engine, blocks
 from ..model import Model, builtin_model, families
 from ..policies import Policy
 from .io import atomic_write, dumps, npz_bytes, read_json, read_npz, sha256, write_json, write_npz
-from .schema import E2E_SCHEMA, FLOAT_FORMAT, check_header, header, require
+from .schema import E2E_SCHEMA, FLOAT_FORMAT, SCHEDULE_VERSION, check_header, header, require
 from .vectors import boundary_gap, json_params
 
-__all__ = ["DEFAULT_E2E_TOLERANCE", "MODELS", "EndToEnd", "build_model", "end_to_end_files", "export_weights",
-           "policy_from_manifest", "prompt_tokens", "read_end_to_end", "run_end_to_end", "write_end_to_end"]
+__all__ = ["DEFAULT_E2E_TOLERANCE", "MODELS", "EndToEnd", "build_model", "decode_tokens", "end_to_end_files",
+           "export_weights", "fingerprints", "is_schedule", "policy_from_manifest", "prompt_tokens",
+           "read_end_to_end", "run_end_to_end", "run_schedule_golden", "write_end_to_end"]
 
 #: rtol per dtype for logits and for score ties; ``atol = rtol * max(1, largest finite |value|)``.
 DEFAULT_E2E_TOLERANCE = {"float64": 1e-8, "float32": 1e-4}
@@ -214,6 +215,8 @@ class EndToEnd:
     def label(self) -> str:
         m = self.manifest
         pol = m.get("policy", {}).get("name", "?")
+        if is_schedule(m):
+            return f"{pol} {m.get('schedule_text', 'schedule')} {m.get('dtype', '')}".strip()
         return f"{pol} N={m.get('budget')} B={m.get('block_size')} {m.get('dtype', '')}".strip()
 
 
@@ -246,7 +249,7 @@ def read_end_to_end(path, *, candidate: bool = False) -> EndToEnd:
         if actual != index["sha256"]:
             raise ValueError(f"{npz_path}: checksum mismatch: the manifest says sha256 {index['sha256']}, "
                              f"the file has {actual} (regenerate, or restore the file)")
-    required = CANDIDATE_ARRAYS if candidate else REFERENCE_ARRAYS
+    required = CANDIDATE_ARRAYS if candidate else (SCHEDULE_ARRAYS if is_schedule(m) else REFERENCE_ARRAYS)
     for name in required:
         if name not in arrays:
             raise ValueError(f"{npz_path}: missing array {name!r}")
@@ -263,6 +266,15 @@ def read_end_to_end(path, *, candidate: bool = False) -> EndToEnd:
         if a.dtype.name != require(spec, "dtype", f"{where}: arrays.contents.{name}"):
             raise ValueError(f"{npz_path}: array {name!r} has dtype {a.dtype}, the manifest says {spec['dtype']}")
     if candidate:
+        return EndToEnd(where, m, arrays)
+    if is_schedule(m):
+        for key in ("dtype", "model", "prompt", "decode", "policy", "tolerance"):
+            require(m, key, where)
+        _check_schedule_arrays(m, arrays, where, npz_path)
+        for key in ("logits", "scores", "prints"):
+            tol = require(m["tolerance"], key, f"{where}: tolerance")
+            for t in ("rtol", "atol"):
+                require(tol, t, f"{where}: tolerance.{key}")
         return EndToEnd(where, m, arrays)
 
     for key in ("dtype", "model", "prompt", "policy", "budget", "block_size", "n_blocks", "tolerance"):
@@ -356,3 +368,182 @@ def export_weights(path, *, seed: int = 0, dtype="float64", model: str = "tiny")
     }
     write_json(path.with_suffix(".json"), manifest)
     return manifest
+
+
+# -- goldens with a compression schedule (refkv.schedule) ------------------------------------------------
+#: Arrays of a schedule golden beyond the per-round ones (see :func:`run_schedule_golden`).
+SCHEDULE_ARRAYS = ("prompt", "decode", "round_step", "round_position", "kept", "kept_count", "candidates",
+                   "candidate_count", "scores", "protected", "key_print", "value_print", "logits")
+DECODE_RULE = "numpy.random.default_rng(seed).integers(0, vocab_size, new_tokens)"
+#: How a cache row's key (value) is fingerprinted: its dot product with this unit vector. A row
+#: that holds another position's key than it claims differs by about the keys' norm.
+PRINT_RULE = "row @ u, u = v / ||v||, v = numpy.random.default_rng(seed).standard_normal(d_head) (float64)"
+PRINT_SEED = 0
+
+
+def print_vector(d_head: int, seed: int = PRINT_SEED) -> np.ndarray:
+    """The unit vector ``u`` of :data:`PRINT_RULE` (float64, shape ``(d_head,)``)."""
+    v = np.random.default_rng(seed).standard_normal(d_head)
+    return v / np.linalg.norm(v)
+
+
+def fingerprints(rows, d_head: int, seed: int = PRINT_SEED) -> np.ndarray:
+    """``rows @ u`` in float64: the fingerprint of every key (value) of ``rows`` (..., d_head)."""
+    return np.asarray(rows, dtype=np.float64) @ print_vector(d_head, seed)
+
+
+def decode_tokens(seed: int, length: int, vocab_size: int) -> np.ndarray:
+    """The seeded tokens fed while decoding (:data:`DECODE_RULE`), teacher-forced."""
+    return np.random.default_rng(seed).integers(0, vocab_size, length).astype(np.int64)
+
+
+def is_schedule(manifest: dict) -> bool:
+    """Whether an end-to-end manifest states a compression schedule (arrays indexed by round)."""
+    return isinstance(manifest, dict) and "schedule" in manifest
+
+
+def run_schedule_golden(policy: Policy, schedule, *, dtype="float64", prompt_length: int = 24,
+                        model_seed: int = 0, prompt_seed: int = 1, decode_seed: int = 2,
+                        model: str = "tiny", built: Model | None = None) -> tuple[dict, dict]:
+    """Run a model under ``policy`` and :class:`refkv.schedule.Schedule` ``schedule``; record a golden.
+
+    Arrays (``R`` rounds, see :mod:`refkv.schedule`; per round, layer and KV head):
+
+    ====================  ==============================  ======================================
+    array                 shape                           meaning
+    ====================  ==============================  ======================================
+    ``prompt``            (T,) int64                      the prompt
+    ``decode``            (D,) int64                      the tokens fed one at a time after it
+    ``round_step``        (R,) int64                      forward call of each round (prefill
+                                                          blocks first, from 0)
+    ``round_position``    (R,) int64                      tokens processed after the round
+    ``kept``              (R, L, Hkv, K) int64            positions held after the round,
+                                                          increasing, padded with -1
+    ``kept_count``        (R, L) int64
+    ``candidates``        (R, L, Hkv, C) int64            positions offered to the round's
+                                                          eviction (candidate_count 0: none)
+    ``candidate_count``   (R, L) int64
+    ``scores``            (R, L, Hkv, C) float64          reference scores of the candidates
+    ``protected``         (R, L, Hkv, C) bool
+    ``key_print``         (R, L, Hkv, K) float64          fingerprint of the key each kept
+                                                          position holds (:data:`PRINT_RULE`)
+    ``value_print``       (R, L, Hkv, K) float64          the same for its value
+    ``logits``            (vocab,) model dtype            logits of the last token fed
+    ====================  ==============================  ======================================
+
+    ``built`` is a model already built (a real checkpoint); ``model`` then only names it.
+    """
+    from ..schedule import run_schedule
+
+    builder = model
+    model = built if built is not None else build_model(builder, model_seed, dtype)
+    cfg = model.config
+    prompt = prompt_tokens(prompt_seed, prompt_length, cfg.vocab_size)
+    new = decode_tokens(decode_seed, schedule.new_tokens, cfg.vocab_size)
+    engine = Engine(model, policy, None, record="views")
+    snapshots: list[tuple] = []
+
+    def on_step(step, rnd):
+        if rnd is not None:
+            snapshots.append((rnd, [(c.positions.copy(), c.keys.copy(), c.values.copy()) for c in engine.caches]))
+
+    logits, rounds = run_schedule(engine, prompt, new, schedule, on_step=on_step)
+    by_step = {r.step: i for i, r in enumerate(rounds)}
+    log: dict = {}
+    for event in engine.trace.evictions:
+        key = (by_step[event.block], event.layer)
+        if key in log:
+            raise RuntimeError(f"two evictions in round {key[0]}, layer {key[1]}")
+        view = event.view
+        log[key] = (event.positions, np.asarray(policy.score(view), dtype=np.float64),
+                    np.asarray(policy.protected(view), dtype=bool), event.kept)
+
+    n_rounds, n_layers, hkv = len(rounds), cfg.n_layers, cfg.n_kv_heads
+    kept_width = max((s[0].shape[1] for _, per in snapshots for s in per), default=0)
+    cand_width = max((entry[0].shape[1] for entry in log.values()), default=0)
+    kept = np.full((n_rounds, n_layers, hkv, kept_width), -1, dtype=np.int64)
+    kept_count = np.zeros((n_rounds, n_layers), dtype=np.int64)
+    key_print = np.full((n_rounds, n_layers, hkv, kept_width), np.nan)
+    value_print = np.full((n_rounds, n_layers, hkv, kept_width), np.nan)
+    candidates = np.full((n_rounds, n_layers, hkv, cand_width), -1, dtype=np.int64)
+    candidate_count = np.zeros((n_rounds, n_layers), dtype=np.int64)
+    scores = np.full((n_rounds, n_layers, hkv, cand_width), np.nan)
+    protected = np.zeros((n_rounds, n_layers, hkv, cand_width), dtype=bool)
+    closest = None
+    for r, (_, per_layer) in enumerate(snapshots):
+        for layer, (positions, keys, values) in enumerate(per_layer):
+            n = positions.shape[1]
+            kept[r, layer, :, :n] = positions
+            kept_count[r, layer] = n
+            key_print[r, layer, :, :n] = fingerprints(keys, cfg.d_head)
+            value_print[r, layer, :, :n] = fingerprints(values, cfg.d_head)
+            if (r, layer) not in log:
+                continue
+            cand, s, prot, cols = log[(r, layer)]
+            c = cand.shape[1]
+            candidates[r, layer, :, :c] = cand
+            candidate_count[r, layer] = c
+            scores[r, layer, :, :c] = s
+            protected[r, layer, :, :c] = prot
+            for h, gap in enumerate(boundary_gap(s, cols, prot)):
+                if gap is not None and (closest is None or gap < closest["gap"]):
+                    closest = {"round": r, "layer": layer, "head": h, "gap": gap}
+
+    prints = np.concatenate([key_print.ravel(), value_print.ravel()])
+    manifest = {
+        **header(E2E_SCHEMA, SCHEDULE_VERSION),
+        "float_format": FLOAT_FORMAT,
+        "dtype": np.dtype(model.dtype).name,
+        "model": {"name": cfg.name, "builder": builder, "config": cfg.to_dict(), "seed": model_seed,
+                  "weights": WEIGHTS_RULE if built is None else f"the checkpoint {builder}"},
+        "prompt": {"length": len(prompt), "seed": prompt_seed, "rule": PROMPT_RULE},
+        "decode": {"length": schedule.new_tokens, "seed": decode_seed, "rule": DECODE_RULE,
+                   "note": "teacher-forced: the candidate feeds these tokens one at a time after the prompt"},
+        "policy": {"name": policy.name, "params": json_params(policy.params()), "needs": sorted(policy.needs),
+                   "evict_before_attention": bool(policy.evict_before_attention)},
+        "schedule": schedule.to_dict(),
+        "schedule_text": schedule.describe(),
+        "budget": schedule.budget,
+        "block_size": schedule.block_size,
+        "mode": "schedule",
+        "rounds": [{"step": r.step, "phase": r.phase, "budget": r.budget, "position": r.position} for r in rounds],
+        "n_rounds": n_rounds,
+        "evictions": int((candidate_count > 0).sum()),
+        "prints": {"rule": PRINT_RULE, "seed": PRINT_SEED},
+        "tolerance": {"logits": _tolerance(model.dtype, logits), "scores": _tolerance(model.dtype, scores),
+                      "prints": _tolerance(model.dtype, prints)},
+        "closest_call": closest,
+    }
+    arrays = {"prompt": prompt, "decode": new, "round_step": np.array([r.step for r in rounds], dtype=np.int64),
+              "round_position": np.array([r.position for r in rounds], dtype=np.int64), "kept": kept,
+              "kept_count": kept_count, "candidates": candidates, "candidate_count": candidate_count,
+              "scores": scores, "protected": protected, "key_print": key_print, "value_print": value_print,
+              "logits": np.asarray(logits)}
+    return manifest, arrays
+
+
+def _check_schedule_arrays(m: dict, arrays: dict, where: str, npz_path) -> None:
+    """Shapes of a schedule golden's arrays against its manifest (rounds, layers, KV heads)."""
+    from ..schedule import Schedule
+
+    Schedule.from_dict(require(m, "schedule", where))
+    rounds = require(m, "rounds", where)
+    if not isinstance(rounds, list):
+        raise ValueError(f"{where}: rounds must be a list")
+    cfg = require(m["model"], "config", f"{where}: model")
+    lead = (len(rounds), require(cfg, "n_layers", f"{where}: model.config"))
+    hkv = require(cfg, "n_kv_heads", f"{where}: model.config")
+    checks = {"kept": (*lead, hkv), "kept_count": lead, "candidates": (*lead, hkv), "candidate_count": lead,
+              "scores": (*lead, hkv), "protected": (*lead, hkv), "key_print": (*lead, hkv),
+              "value_print": (*lead, hkv), "round_step": lead[:1], "round_position": lead[:1],
+              "logits": (require(cfg, "vocab_size", f"{where}: model.config"),)}
+    for name, expected in checks.items():
+        if name not in arrays:
+            raise ValueError(f"{npz_path}: missing array {name!r}")
+        got = arrays[name].shape[:len(expected)]
+        if got != expected:
+            raise ValueError(f"{npz_path}: shape mismatch: array {name!r} must start with {expected} "
+                             f"(rounds, layers, KV heads from the manifest), got {arrays[name].shape}")
+    for name in ("key_print", "value_print"):
+        if arrays[name].shape != arrays["kept"].shape:
+            raise ValueError(f"{npz_path}: shape mismatch: {name} must have kept's shape {arrays['kept'].shape}")

@@ -30,6 +30,7 @@ __all__ = [
     "E2E_SCHEMA",
     "FLAGS",
     "FLOAT_FORMAT",
+    "SCHEDULE_VERSION",
     "SCHEMA_VERSION",
     "SUITE_SCHEMA",
     "SUPPORTED_VERSIONS",
@@ -45,9 +46,13 @@ VECTORS_SCHEMA = "refkv-vectors"
 E2E_SCHEMA = "refkv-e2e"
 SUITE_SCHEMA = "refkv-suite"
 
-#: The version this refkv writes.
+#: The version this refkv writes (end-to-end goldens with a compression schedule are
+#: :data:`SCHEDULE_VERSION`: a reader that predates schedules refuses them).
 SCHEMA_VERSION = 1
-#: The versions this refkv reads.
+#: The version of end-to-end goldens that state a compression schedule (``refkv.schedule``):
+#: their arrays are indexed by round, not by block.
+SCHEDULE_VERSION = 2
+#: The versions this refkv reads (end-to-end goldens also :data:`SCHEDULE_VERSION`).
 SUPPORTED_VERSIONS = (1,)
 
 FLOAT_FORMAT = ("shortest decimal that round-trips the IEEE-754 binary64 value (Python repr); "
@@ -89,23 +94,24 @@ def require(obj: Mapping, key: str, where: str):
     return obj[key]
 
 
-def header(schema: str) -> dict:
+def header(schema: str, version: int = SCHEMA_VERSION) -> dict:
     """The fields every file starts with."""
     from .. import __version__
 
-    return {"schema": schema, "schema_version": SCHEMA_VERSION, "refkv_version": __version__,
+    return {"schema": schema, "schema_version": version, "refkv_version": __version__,
             "numpy_version": np.__version__}
 
 
 def check_header(obj: Mapping, schema: str, where: str) -> None:
     """Validate the common header: the schema name and a version this refkv reads."""
+    supported = SUPPORTED_VERSIONS + ((SCHEDULE_VERSION,) if schema == E2E_SCHEMA else ())
     name = require(obj, "schema", where)
     if name != schema:
         raise ValueError(f"{where}: schema is {name!r}, expected {schema!r}")
     version = require(obj, "schema_version", where)
-    if isinstance(version, bool) or not isinstance(version, int) or version not in SUPPORTED_VERSIONS:
+    if isinstance(version, bool) or not isinstance(version, int) or version not in supported:
         raise ValueError(f"{where}: unknown schema version {version!r} of {schema}; this refkv reads "
-                         f"versions {list(SUPPORTED_VERSIONS)} (a newer refkv may read it)")
+                         f"versions {list(supported)} (a newer refkv may read it)")
     for key in ("refkv_version", "numpy_version"):
         require(obj, key, where)
 

@@ -59,8 +59,8 @@ from .synthetic import (
 from .vectors import DEFAULT_TOLERANCE, encode_case, json_params, vectors_document
 
 __all__ = ["BUDGETS", "E2E_MODELS", "E2E_SETTINGS", "ONESHOT_SETTINGS", "RECIPES", "REGENERATION_BOUND",
-           "VARIANTS", "Recipe", "Setting", "generate_suite", "library_policies", "read_suite",
-           "regeneration_differences"]
+           "SCHEDULE_SETTINGS", "VARIANTS", "Recipe", "ScheduleSetting", "Setting", "generate_schedules",
+           "generate_suite", "library_policies", "policy_schedules", "read_suite", "regeneration_differences"]
 
 #: Budgets tried for vector cases, smallest first: a policy's cases use the smallest its
 #: ``check`` accepts (small budgets make small files).
@@ -217,6 +217,8 @@ FULL_E2E_MODEL = "tiny"
 
 MODEL_SEED = 0
 PROMPT_SEED = 1
+#: Seed of the tokens fed while decoding in schedule goldens.
+DECODE_SEED = 2
 
 #: Why policies that evict before attention (HashEvict, MAT) have no one-shot cases.
 NO_ONESHOT = ("no one-shot form: the policy evicts before attention (HashEvict Algorithm 1, MAT Eq. 4: the "
@@ -432,6 +434,136 @@ def policy_end_to_end(name: str, model: str = "tiny") -> tuple[list[tuple[str, d
     return out, skipped
 
 
+# -- compression schedules (refkv.schedule) ------------------------------------------------------------
+@dataclass(frozen=True)
+class ScheduleSetting:
+    """One schedule golden: a label, the schedule, the prompt length, and the dtypes it is written in."""
+
+    label: str
+    schedule: object  # refkv.schedule.Schedule
+    prompt_length: int
+    dtypes: tuple = ("float64",)
+
+
+def _schedule_settings(budget: int, prompt: int, fallback_block: int) -> tuple:
+    from ..schedule import Schedule
+
+    return (
+        # kvpress DecodingPress alone: the prompt is not compressed, then every 4 tokens down to N
+        ScheduleSetting(f"sched-oneshot-K4-N{budget}", Schedule(None, None, 4, budget, new_tokens=12), prompt,
+                        ("float64", "float32")),
+        # blocks of 8 evicting to N, then at most N at every step (the engine's own rule)
+        ScheduleSetting(f"sched-B8-K1-N{budget}", Schedule(8, budget, 1, budget, new_tokens=3), prompt),
+        # PrefillDecodingPress: one-shot prefill to N, then every 16 tokens down to N
+        ScheduleSetting(f"sched-oneshot{budget}-K16-N{budget}", Schedule(None, budget, 16, budget, new_tokens=48),
+                        prompt),
+        # CompressionRatioDecodingPress: every 4 tokens down to half the tokens seen
+        ScheduleSetting("sched-oneshot-K4-ratio0.5", Schedule(None, None, 4, None, "ratio", 0.5, 12), prompt),
+        # a policy that evicts before attention has no one-shot prefill with a budget: blocks instead
+        ScheduleSetting(f"sched-B{fallback_block}-K16-N{budget}",
+                        Schedule(fallback_block, budget, 16, budget, new_tokens=48), prompt),
+    )
+
+
+#: Schedule goldens per policy (tiny model), tried at N = 16 with a prompt of 24; a policy that
+#: refuses N = 16 (SnapKV's default window of 32) gets N = 40 with a prompt of 48. The last
+#: setting is written only when the third (one-shot prefill with a budget) is refused. At least
+#: 3 decoding rounds each, K in {1, 4, 16}, one-shot and block prefill.
+SCHEDULE_SETTINGS = (_schedule_settings(16, 24, 4), _schedule_settings(40, 48, 8))
+
+
+def policy_schedules(name: str) -> tuple[list[tuple[str, dict, dict]], list[dict]]:
+    """``[(label, manifest, arrays)]`` of policy ``name``'s schedule goldens (tiny model) and the skips."""
+    from .endtoend import run_schedule_golden
+
+    out, skipped = [], []
+    policy = policy_registry.get(name)
+    cfg = build_model("tiny", MODEL_SEED, "float64").config
+    for settings in SCHEDULE_SETTINGS:
+        try:
+            for setting in settings:
+                if setting.schedule.budget is not None:
+                    policy.check(setting.schedule.budget, cfg)
+        except ValueError as err:
+            reason = str(err)
+            continue
+        break
+    else:
+        skipped.append({"policy": name, "what": "schedule goldens", "reason": reason})
+        return out, skipped
+    ran_oneshot_budget = False
+    for i, setting in enumerate(settings):
+        if i == len(settings) - 1 and ran_oneshot_budget:
+            break
+        for dtype in setting.dtypes:
+            label = f"{setting.label}-{dtype}"
+            try:
+                manifest, arrays = run_schedule_golden(policy_registry.get(name), setting.schedule, dtype=dtype,
+                                                       prompt_length=setting.prompt_length, model_seed=MODEL_SEED,
+                                                       prompt_seed=PROMPT_SEED, decode_seed=DECODE_SEED)
+            except ValueError as err:
+                skipped.append({"policy": name, "what": f"e2e {label}", "reason": str(err)})
+                break
+            out.append((label, manifest, arrays))
+            ran_oneshot_budget |= i == 2
+    return out, skipped
+
+
+def load_golden_model(name: str, dtype: str):
+    """A model for goldens: a name of :data:`refkv.oracle.endtoend.MODELS` (seeded random weights),
+    ``"smollm2"`` or a checkpoint path (:func:`refkv.model.load`)."""
+    from ..model import load
+    from .endtoend import MODELS
+
+    if name in MODELS:
+        return build_model(name, MODEL_SEED, dtype)
+    return load(name, dtype=np.dtype(dtype))
+
+
+def generate_schedules(out, policies: list[str] | None, schedule, *, model: str = "tiny", prompt_length: int = 128,
+                       dtype: str | None = None, progress=None) -> dict:
+    """Schedule goldens of ``policies`` (default: every library policy) for one model and schedule.
+
+    Written as ``out/e2e/<policy>/<model>-<label>-<dtype>.json`` (+ ``.npz``) in a folder of
+    golden files without ``suite.json`` (``refkv golden check`` finds them by their schema).
+    A real checkpoint defaults to float32 (the reduced set: one precision, one schedule).
+    A policy that refuses the schedule is skipped and listed. Returns ``{"written", "skipped"}``.
+    """
+    from .endtoend import MODELS, run_schedule_golden, write_end_to_end
+
+    out = Path(out)
+    if (out / "suite.json").exists():
+        raise ValueError(f"--out {out} holds a golden suite (suite.json); write custom goldens to another folder")
+    names = _policy_names(policies)
+    dtype = dtype or ("float64" if model in MODELS else "float32")
+    built = load_golden_model(model, dtype)
+    tag = re.sub(r"[^A-Za-z0-9_.+-]", "_", Path(model).name if model not in MODELS else model)
+    sched = schedule
+    prefill = "oneshot" if sched.block_size is None else f"B{sched.block_size}"
+    rule = f"N{sched.budget}" if sched.rule == "interval" else f"ratio{sched.ratio:g}"
+    label = (f"{tag}-sched-{prefill}{'' if sched.prefill_budget is None else sched.prefill_budget}"
+             f"-K{sched.interval}-{rule}-{dtype}")
+    written, skipped = [], []
+    for name in names:
+        try:
+            manifest, arrays = run_schedule_golden(policy_registry.get(name), sched, dtype=dtype,
+                                                   prompt_length=prompt_length, model_seed=MODEL_SEED,
+                                                   prompt_seed=PROMPT_SEED, decode_seed=DECODE_SEED, model=model,
+                                                   built=None if model in MODELS else built)
+        except ValueError as err:
+            skipped.append({"policy": name, "reason": str(err)})
+            if progress is not None:
+                progress(f"{name}: skipped: {err}")
+            continue
+        path = out / "e2e" / name / f"{label}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_end_to_end(path, manifest, arrays)
+        written.append(str(path))
+        if progress is not None:
+            progress(f"{name}: {path} ({manifest['n_rounds']} rounds)")
+    return {"written": written, "skipped": skipped}
+
+
 # -- paths inside the suite folder -----------------------------------------------------------------
 _NAME = r"[A-Za-z0-9_][A-Za-z0-9_.+-]*"
 _SUITE_PATH = re.compile(rf"vectors/{_NAME}\.json|e2e/{_NAME}/{_NAME}\.json")
@@ -631,6 +763,15 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
                 files[rel], files[rel[:-len(".json")] + ".npz"] = text, data
                 entries.append({"path": rel, "kind": "e2e", "policy": name, "mode": manifest["mode"],
                                 "dtype": manifest["dtype"], "sha256": sha256(text), "npz_sha256": sha256(data)})
+        runs, skips = policy_schedules(name)
+        skipped += skips
+        n_runs += len(runs)
+        for label, manifest, arrays in runs:
+            rel = f"e2e/{name}/{label}.json"
+            manifest, text, data = end_to_end_files(label, manifest, arrays)
+            files[rel], files[rel[:-len(".json")] + ".npz"] = text, data
+            entries.append({"path": rel, "kind": "e2e", "policy": name, "mode": "schedule",
+                            "dtype": manifest["dtype"], "sha256": sha256(text), "npz_sha256": sha256(data)})
         if progress is not None:
             n_cases = doc["number_of_cases"] if doc else 0
             n_skips = sum(1 for s in skipped if s["policy"] == name)

@@ -3,7 +3,8 @@
 Two forms:
 
 * **per block** (the stronger check): the candidate gives the kept positions after every
-  block (``kept``, ``kept_count``) and the final logits. Decisions are walked in order
+  block (``kept``, ``kept_count``; in any order within a head: they are compared as sets)
+  and the final logits. Decisions are walked in order
   with the reference scores recorded at each. An accepted tie changes the cache, so what
   follows may legitimately differ: a tie at (block ``b``, layer ``l``) makes every
   decision at (``b' > b``, ``l' >= l``) -- and, for a policy that evicts before
@@ -172,7 +173,9 @@ def _walk_blocks(res, candidate, reference, rtol, rule, before, strict_ties) -> 
             k = int(counts_r[b, l])
             tie_here = False
             for h in range(hkv):
-                a_pos, r_pos = kept_c[b, l, h, :k], kept_r[b, l, h, :k]
+                # Kept positions are a set: a cache whose rows are a permutation of them holds the
+                # same tokens (kvpress gathers rows in score order).
+                a_pos, r_pos = np.sort(kept_c[b, l, h, :k]), kept_r[b, l, h, :k]
                 if np.array_equal(a_pos, r_pos):
                     continue
                 where = f"block {b}, layer {l}, head {h}"

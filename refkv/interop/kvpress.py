@@ -1,32 +1,66 @@
-"""NVIDIA kvpress's presses run on refkv's golden cases: the adapter and the pairing table.
+"""Check an NVIDIA kvpress press against refkv's schedule goldens, end to end.
 
-A press scores the ``(batch, Hkv, n)`` candidates of one layer from its keys and (for the
-attention presses) the ``(batch, H, q_len, n)`` attention weights, then keeps the top
-``int(n * (1 - compression_ratio))`` with :meth:`torch.Tensor.topk` and gathers them
-(``ScorerPress.compress``). :func:`press_outputs` feeds a refkv
-:class:`~refkv.oracle.VectorCase` to exactly that code and returns the press's scores
-and kept columns in refkv's layout, ``(Hkv, n)`` and ``(Hkv, N)``, ready for
-:func:`refkv.testing.assert_case`.
+A kvpress developer checks a press in a few lines::
 
-:data:`PAIRINGS` says, for every press, which refkv policy and options it is compared
-with, what differs by design (declared to the comparison, never hidden), and on which
-cases it can run. ``python tests/kvpress_adapter.py`` prints the table of
-``docs/oracle/kvpress.rst`` from the tests' outcomes (:func:`tally`).
+    from kvpress import DecodingPress, KeyDiffPress
+    from refkv.interop.kvpress import write_candidates
+
+    # goldens made once with: refkv golden generate --out goldens --policies keydiff
+    write_candidates(DecodingPress(KeyDiffPress()), "goldens", "candidate", policy="keydiff")
+    # then: refkv golden check candidate --against goldens --dtype float32
+
+:func:`write_candidates` finds the policy's schedule goldens (:mod:`refkv.schedule`) that
+the press can run, fits the press to each golden's schedule (:func:`fit_press`: the
+compression interval, target size or ratio, and the prefill ratio that keeps the golden's
+prefill budget), builds the golden's model in ``transformers`` from refkv's weights
+(:func:`hf_model`), feeds the golden's prompt and then its decoding tokens one at a time
+inside the press's context, and records after every round, per layer and KV head, which
+**position each cache row holds**, the rows' keys and values, and the press's scores where
+its scorer exposes them. The candidate files mirror the goldens' paths, so ``refkv golden
+check`` reads them.
+
+Which position a row holds is found without trusting the press: after each step every
+row's key and value are matched bit for bit against the rows the layer held just before
+the press compressed it (a forward hook registered before the press's own), since presses
+gather rows unchanged; a row whose key changed (``KeyRerotationPress`` re-rotates keys) is
+matched by its value alone. A row that matches nothing is written as position -1, which
+the check reports.
+
+Schedules a press can run (others are skipped, with the reason):
+
+* ``DecodingPress``: prefill one-shot and not compressed, ``rule="interval"``;
+* ``CompressionRatioDecodingPress``: the same with ``rule="ratio"``;
+* ``PrefillDecodingPress``: one-shot prefill compressed to the golden's prefill budget
+  (its prefilling press's ``compression_ratio`` is set to keep exactly that many), then
+  its decoding press as above;
+* a press without decoding (any ``ScorerPress`` and prefill wrappers): one-shot prefill
+  with a budget and no decoding rounds.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-import torch
 
-from refkv.oracle.io import write_json
-from refkv.oracle.synthetic import (
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import kvpress
+import torch
+import transformers
+
+from ..oracle.endtoend import EndToEnd, build_model, is_schedule, read_end_to_end, write_end_to_end
+from ..oracle.hfexport import hf_config_dict, hf_tensors
+from ..oracle.io import write_json
+from ..oracle.schema import E2E_SCHEMA, SCHEDULE_VERSION, header
+from ..oracle.synthetic import (
     duplicate_key,
     huge_logits,
     near_duplicate_key,
@@ -35,19 +69,25 @@ from refkv.oracle.synthetic import (
     replay,
     zero_key,
 )
-from refkv.oracle.vectors import encode_case, vectors_document
-from refkv.policies import get as get_policy
-from refkv.policies import select
-from refkv.testing import assert_case, load_cases
+from ..oracle.vectors import encode_case, vectors_document
+from ..policies import get as get_policy
+from ..policies import select
+from ..schedule import Schedule
+from ..testing import assert_case, load_cases
 
-#: The torch dtypes a press is run in; bf16 and fp16 run on the float32 cases.
+__all__ = ["CASE_DTYPE", "DEFECTS", "DTYPES", "PAIRINGS", "Defect", "Pairing", "Skip", "ToleranceGap", "check",
+           "compression_ratio", "docs_blocks", "fit_press", "hf_model", "model_of", "oneshot_documents", "outcome",
+           "press_outputs", "run_press", "schedule_goldens", "tally", "write_candidates", "write_oneshot_suite"]
+
+#: The torch dtypes a press can run in (bf16 and fp16 are checked on the float32 cases).
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
-#: Which case dtype each press dtype is checked on.
-CASE_DTYPE = {"float64": "float64", "float32": "float32", "bfloat16": "float32", "float16": "float32"}
 
 
-# -- the adapter -----------------------------------------------------------------------------
+class Skip(ValueError):
+    """The press cannot run this golden's schedule (the message says why)."""
+
+
 def compression_ratio(n: int, keep: int) -> float:
     """The ratio for which kvpress keeps exactly ``keep`` of ``n`` tokens.
 
@@ -61,6 +101,372 @@ def compression_ratio(n: int, keep: int) -> float:
     return (n - keep - 0.5) / n
 
 
+def hf_model(model, dtype: str = "float32", attention: str = "eager"):
+    """A transformers model (Llama, Qwen2 or Qwen3 by its features) holding refkv ``model``'s weights.
+
+    ``attention="eager"`` materialises the attention weights (presses that read them need
+    it); ``"sdpa"`` does not (``BlockPress`` and ``ChunkPress`` refuse attention weights).
+    """
+    cfg_dict = hf_config_dict(model.config, "float32")
+    cfg_dict = {k: v for k, v in cfg_dict.items() if k not in ("architectures", "torch_dtype")}
+    config = transformers.AutoConfig.for_model(**cfg_dict)
+    config._attn_implementation = attention
+    cls = getattr(transformers, hf_config_dict(model.config)["architectures"][0])
+    hf = cls(config).eval()
+    state = {name: torch.from_numpy(np.array(a, dtype=np.float64, order="C")) for name, a in hf_tensors(model).items()}
+    if "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"weights do not fit {cls.__name__}: missing {missing}, unexpected {unexpected}")
+    return hf.to(DTYPES[dtype])
+
+
+def model_of(manifest: dict):
+    """The refkv model a golden was generated with (a built-in tiny model, or its checkpoint)."""
+    m = manifest["model"]
+    builder = m.get("builder", "tiny")
+    try:
+        return build_model(builder, m.get("seed", 0), "float64")
+    except ValueError:
+        from ..model import load
+
+        return load(builder, dtype=np.float64)
+
+
+def _inner(press, name):
+    return getattr(press, name, None)
+
+
+def fit_press(press, schedule: Schedule, prompt_length: int):
+    """A copy of ``press`` configured to run ``schedule``; :class:`Skip` if it cannot."""
+    press = copy.deepcopy(press)
+    one_shot = schedule.block_size is None
+    if not one_shot:
+        raise Skip(f"prefill in blocks of {schedule.block_size}: kvpress treats a second prompt block as "
+                   f"decoding, so only one-shot prefill schedules are run")
+    decodes = schedule.new_tokens > 0
+
+    def fit_decoding(p):
+        if isinstance(p, kvpress.CompressionRatioDecodingPress):
+            if schedule.rule != "ratio":
+                raise Skip(f"{type(p).__name__} compresses to a ratio; the golden's rule is {schedule.rule!r}")
+            p.target_compression_ratio = schedule.ratio
+        else:
+            if schedule.rule != "interval":
+                raise Skip(f"{type(p).__name__} compresses to a target size; the golden's rule is {schedule.rule!r}")
+            p.target_size = schedule.budget
+        p.compression_interval = schedule.interval
+        return p
+
+    if isinstance(press, kvpress.PrefillDecodingPress):
+        if schedule.prefill_budget is None:
+            raise Skip("PrefillDecodingPress compresses the prompt; the golden's prefill is not compressed")
+        if press.prefilling_press is None or press.decoding_press is None:
+            raise Skip("PrefillDecodingPress needs both a prefilling and a decoding press here")
+        press.prefilling_press.compression_ratio = compression_ratio(prompt_length, schedule.prefill_budget)
+        fit_decoding(press.decoding_press)
+        return press
+    if isinstance(press, kvpress.DecodingPress):
+        if schedule.prefill_budget is not None:
+            raise Skip(f"{type(press).__name__} does not compress the prompt; the golden's prefill keeps "
+                       f"{schedule.prefill_budget}")
+        return fit_decoding(press)
+    if decodes:
+        raise Skip(f"{type(press).__name__} does not compress while decoding; the golden has decoding rounds")
+    if schedule.prefill_budget is None:
+        raise Skip("the golden compresses nothing at prefill")
+    ratio = compression_ratio(prompt_length, schedule.prefill_budget)
+    if isinstance(press, kvpress.PerLayerCompressionPress):
+        press.compression_ratios = [ratio] * len(press.compression_ratios)
+        return press
+    if not hasattr(press, "compression_ratio"):
+        raise Skip(f"{type(press).__name__} has no compression_ratio to set")
+    press.compression_ratio = ratio
+    return press
+
+
+def needs_attention(press) -> bool:
+    """Whether a press reads the attention weights (then the model runs eager attention)."""
+    return any(isinstance(p, kvpress.ObservedAttentionPress) for p in _all_presses(press))
+
+
+def _all_presses(press) -> list:
+    out, todo = [], [press]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for name in ("base_press", "press", "prefilling_press", "decoding_press"):
+            inner = _inner(p, name)
+            if inner is not None and dataclasses.is_dataclass(inner):
+                todo.append(inner)
+        todo.extend(getattr(p, "presses", None) or ())
+    return out
+
+
+def _scorers(press) -> list:
+    """The ScorerPress objects inside ``press`` whose ``score`` calls are recorded."""
+    return [p for p in _all_presses(press) if isinstance(p, kvpress.ScorerPress)]
+
+
+def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "float32", hf=None) -> dict:
+    """Run ``press`` (already fitted, :func:`fit_press`) on a schedule golden; the candidate's arrays.
+
+    Returns ``kept`` (R, L, Hkv, K) positions per cache row (in the rows' order),
+    ``kept_count``, ``row_keys``, ``row_values`` (R, L, Hkv, K, d), ``logits`` and, when a
+    scorer was called at a round, ``scores`` with ``score_positions`` (R, L, Hkv, C).
+    """
+    g = golden if isinstance(golden, EndToEnd) else read_end_to_end(golden)
+    if not is_schedule(g.manifest):
+        raise ValueError(f"{g.path} is not a schedule golden (it has no 'schedule')")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if hf is None:
+        hf = hf_model(model_of(g.manifest), dtype, "eager" if needs_attention(press) else "sdpa")
+    prompt, new = g.arrays["prompt"], g.arrays["decode"]
+    round_steps = [int(s) for s in g.arrays["round_step"]]
+    n_layers = hf.config.num_hidden_layers
+    cache = transformers.DynamicCache(config=hf.config)
+    positions = [None] * n_layers                      # (Hkv, n) int64 per layer, rows' positions
+    before: dict[int, tuple] = {}                      # layer -> (values, positions) before the press acted
+    step_positions = {"first": 0, "count": 0}
+    scores_now: dict[int, tuple] = {}
+
+    def pre_press(module, args, kwargs, output):       # runs before the press's hook (registered first)
+        layer = module.layer_idx
+        keys = cache.layers[layer].keys[0].detach().clone()                         # (Hkv, n, d)
+        values = cache.layers[layer].values[0].detach().clone()
+        new_pos = torch.arange(step_positions["first"], step_positions["first"] + step_positions["count"])
+        old = positions[layer] if positions[layer] is not None else torch.zeros(values.shape[0], 0, dtype=torch.long)
+        pos = torch.cat([old, new_pos.expand(values.shape[0], -1)], dim=1)
+        before[layer] = (keys, values, pos)
+        return output
+
+    handles = [layer.self_attn.register_forward_hook(pre_press, with_kwargs=True) for layer in hf.model.layers]
+    scorers = _scorers(press)
+    originals = {id(s): s.score for s in scorers}
+
+    def recording(scorer):
+        original = originals[id(scorer)]
+
+        def score(module, hidden_states, keys, values, attentions, kwargs):
+            s = original(module, hidden_states, keys, values, attentions, kwargs)
+            scores_now[module.layer_idx] = s[0].detach().to(torch.float64).clone()
+            return s
+        return score
+
+    for s in scorers:
+        s.score = recording(s)
+    records = []
+    try:
+        with torch.no_grad(), press(hf):
+            feeds = [prompt, *([int(t)] for t in new)]
+            first = 0
+            for step, tokens in enumerate(feeds):
+                step_positions.update(first=first, count=len(tokens))
+                scores_now.clear()
+                ids = torch.tensor(np.asarray(tokens, dtype=np.int64)[None, :])
+                pos_ids = torch.arange(first, first + len(tokens))[None, :]
+                out = hf(input_ids=ids, past_key_values=cache, position_ids=pos_ids, use_cache=True)
+                first += len(tokens)
+                for layer in range(n_layers):
+                    keys_now, values_now = cache.layers[layer].keys[0], cache.layers[layer].values[0]
+                    b_keys, b_values, b_pos = before[layer]
+                    if torch.equal(keys_now, b_keys) and torch.equal(values_now, b_values):
+                        positions[layer] = b_pos  # the press left the rows as they were
+                    else:
+                        positions[layer] = _match_rows(keys_now, values_now, b_keys, b_values, b_pos)
+                if step in round_steps:
+                    records.append(_snapshot(cache, positions, before, scores_now, n_layers))
+            logits = out.logits[0, -1].to(torch.float64).numpy()
+    finally:
+        for h in handles:
+            h.remove()
+        for s in scorers:
+            s.score = originals[id(s)]
+    return _stack(records, logits, dtype)
+
+
+def _match_rows(keys, values, before_keys, before_values, before_positions) -> torch.Tensor:
+    """(Hkv, m) positions of the rows of ``keys``, ``values`` (Hkv, m, d), matched bit for bit to the rows before.
+
+    A row is matched by its key and value together (equal tokens give equal layer-0 values at
+    different positions; RoPE tells their keys apart); a row whose key changed (a press that
+    re-rotates keys) by its value alone; a row that matches nothing is -1.
+    """
+    hkv, m, _ = values.shape
+
+    def raw(t, h):
+        return t[h].contiguous().view(torch.uint8).reshape(t.shape[1], -1).numpy()
+
+    out = torch.full((hkv, m), -1, dtype=torch.long)
+    for h in range(hkv):
+        both: dict[bytes, list[int]] = {}
+        alone: dict[bytes, list[int]] = {}
+        bk, bv = raw(before_keys, h), raw(before_values, h)
+        for i in range(bk.shape[0]):
+            both.setdefault(bk[i].tobytes() + bv[i].tobytes(), []).append(i)
+            alone.setdefault(bv[i].tobytes(), []).append(i)
+        used: set[int] = set()
+        k, v = raw(keys, h), raw(values, h)
+        pending = []
+        for j in range(m):
+            hits = [i for i in both.get(k[j].tobytes() + v[j].tobytes(), ()) if i not in used]
+            if hits:
+                used.add(hits[0])
+                out[h, j] = before_positions[h, hits[0]]
+            else:
+                pending.append(j)
+        for j in pending:
+            hits = [i for i in alone.get(v[j].tobytes(), ()) if i not in used]
+            if hits:
+                used.add(hits[0])
+                out[h, j] = before_positions[h, hits[0]]
+    return out
+
+
+def _snapshot(cache, positions, before, scores_now, n_layers) -> list:
+    per = []
+    for layer in range(n_layers):
+        keys = cache.layers[layer].keys[0].detach().to(torch.float64).numpy().copy()      # (Hkv, m, d)
+        values = cache.layers[layer].values[0].detach().to(torch.float64).numpy().copy()
+        scored = scores_now.get(layer)
+        score_pos = before[layer][2].numpy() if scored is not None else None
+        per.append((positions[layer].numpy().copy(), keys, values,
+                    None if scored is None else scored.numpy(), score_pos))
+    return per
+
+
+def _stack(records, logits, dtype) -> dict:
+    n_rounds, n_layers = len(records), len(records[0]) if records else 0
+    hkv = records[0][0][0].shape[0] if records else 0
+    d = records[0][0][1].shape[2] if records else 0
+    width = max((r[0].shape[1] for rec in records for r in rec), default=0)
+    c_width = max((r[3].shape[1] for rec in records for r in rec if r[3] is not None), default=0)
+    kept = np.full((n_rounds, n_layers, hkv, width), -1, dtype=np.int64)
+    counts = np.zeros((n_rounds, n_layers), dtype=np.int64)
+    row_keys = np.zeros((n_rounds, n_layers, hkv, width, d))
+    row_values = np.zeros((n_rounds, n_layers, hkv, width, d))
+    scores = np.full((n_rounds, n_layers, hkv, c_width), np.nan)
+    score_pos = np.full((n_rounds, n_layers, hkv, c_width), -1, dtype=np.int64)
+    for r, rec in enumerate(records):
+        for layer, (pos, keys, values, s, sp) in enumerate(rec):
+            m = pos.shape[1]
+            kept[r, layer, :, :m] = pos
+            counts[r, layer] = m
+            row_keys[r, layer, :, :m] = keys
+            row_values[r, layer, :, :m] = values
+            if s is not None and s.shape == sp.shape:
+                scores[r, layer, :, :s.shape[1]] = s
+                score_pos[r, layer, :, :sp.shape[1]] = sp
+    out = {"kept": kept, "kept_count": counts, "row_keys": row_keys, "row_values": row_values,
+           "logits": logits.astype(np.float64 if dtype == "float64" else np.float32)}
+    if c_width:
+        out.update(scores=scores, score_positions=score_pos)
+    return out
+
+
+def schedule_goldens(reference, policy: str | None = None) -> list[tuple[str, EndToEnd]]:
+    """``(relative path, golden)`` of every schedule golden under folder ``reference`` (of ``policy``)."""
+    reference = Path(reference)
+    out = []
+    for path in sorted(reference.rglob("*.json")):
+        if path.name == "suite.json":
+            continue
+        try:
+            g = read_end_to_end(path)
+        except ValueError:
+            continue
+        if is_schedule(g.manifest) and (policy is None or g.manifest["policy"]["name"] == policy):
+            out.append((path.relative_to(reference).as_posix(), g))
+    return out
+
+
+def write_candidates(press, reference, out, *, policy: str, dtype: str = "float32",
+                     golden_dtype: str | None = None, row_keys: bool = True, declare: dict | None = None,
+                     progress=print) -> dict:
+    """Run ``press`` on every schedule golden of ``policy`` under ``reference`` it can run; write candidates.
+
+    Parameters
+    ----------
+    press : kvpress press
+        Fitted to each golden's schedule (:func:`fit_press`); the argument is not changed.
+    reference, out : path-like
+        The golden folder (``refkv golden generate``) and the candidate folder to write
+        (same relative paths).
+    policy : str
+        The refkv policy the press is compared with.
+    dtype : str
+        The torch dtype the press runs in (``computed_dtype`` of the files).
+    golden_dtype : str, optional
+        Only goldens of this dtype (default: all; a float32 press is checked against a
+        float64 golden with tolerances scaled to float32).
+    row_keys : bool
+        Write the rows' keys (checked against the position each row claims). ``False`` for a
+        press that changes kept keys by design (``KeyRerotationPress`` re-rotates them).
+    declare : dict, optional
+        Declared differences written into the files (``{"kept_only": True}``: logits and
+        scores not compared).
+
+    Returns
+    -------
+    dict
+        ``{"written": [paths], "skipped": {path: reason}}``.
+    """
+    written, skipped = [], {}
+    found = schedule_goldens(reference, policy)
+    if not found:
+        raise ValueError(f"{reference} holds no schedule golden of policy {policy!r} (refkv golden generate "
+                         f"--out {reference} --policies {policy})")
+    models: dict = {}
+    for rel, g in found:
+        if golden_dtype is not None and g.manifest["dtype"] != golden_dtype:
+            continue
+        sched = Schedule.from_dict(g.manifest["schedule"])
+        try:
+            fitted = fit_press(press, sched, len(g.arrays["prompt"]))
+        except Skip as why:
+            skipped[rel] = str(why)
+            continue
+        attention = "eager" if needs_attention(fitted) else "sdpa"
+        key = repr(g.manifest["model"].get("builder")), g.manifest["model"].get("seed"), attention
+        if key not in models:
+            models[key] = hf_model(model_of(g.manifest), dtype, attention)
+        arrays = run_press(fitted, g, dtype=dtype, hf=models[key])
+        if not row_keys:
+            del arrays["row_keys"]
+        manifest = {**header(E2E_SCHEMA, SCHEDULE_VERSION), "computed_dtype": dtype, **(
+                    {"declare": dict(declare)} if declare else {}),
+                    "candidate": {"press": repr(fitted), "kvpress_version": getattr(kvpress, "__version__", "?"),
+                                  "transformers_version": transformers.__version__}}
+        target = Path(out) / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_end_to_end(target, manifest, arrays)
+        written.append(str(target))
+        if progress is not None:
+            progress(f"{rel}: {type(fitted).__name__} ran {len(arrays['kept'])} rounds")
+    if progress is not None:
+        for rel, why in skipped.items():
+            progress(f"{rel}: skipped: {why}")
+    return {"written": written, "skipped": skipped}
+
+
+# =====================================================================================================
+# Per-decision: a press's score and selection on refkv's vector cases (one eviction, one layer)
+# =====================================================================================================
+# A press scores the ``(batch, Hkv, n)`` candidates of one layer from its keys and (for the
+# attention presses) the ``(batch, H, q_len, n)`` attention weights, then keeps the top
+# ``int(n * (1 - compression_ratio))`` with ``torch.Tensor.topk`` and gathers them
+# (``ScorerPress.compress``). :func:`press_outputs` feeds a refkv ``VectorCase`` to exactly
+# that code and returns the press's scores and kept columns in refkv's layout, ``(Hkv, n)``
+# and ``(Hkv, N)``, ready for :func:`refkv.testing.assert_case`. :data:`PAIRINGS` says, for
+# every press, which refkv policy and options it is compared with, what differs by design
+# (declared to the comparison, never hidden), and on which cases it can run.
+#: Which case dtype each press dtype is checked on.
+CASE_DTYPE = {"float64": "float64", "float32": "float32", "bfloat16": "float32", "float16": "float32"}
+
+
+# -- the adapter -----------------------------------------------------------------------------
 def press_outputs(press, case, dtype: str = "float32") -> dict:
     """Run ``press`` on one golden case, in torch ``dtype``; scores and kept columns, refkv's layout.
 
@@ -480,12 +886,19 @@ def how_rst() -> str:
     return "".join(f"* ``{press}`` -- ``{p.policy}``, {p.verdict}: {p.how}.\n" for press, p in PAIRINGS.items())
 
 
-if __name__ == "__main__":  # print the docs blocks from the outcomes (paste them into kvpress.rst)
+def docs_blocks(golden) -> str:
+    """The table and list blocks of ``docs/oracle/kvpress.rst`` from the outcomes (one-shot cases built here
+    and the cases of folder ``golden``)."""
     import tempfile
-    from pathlib import Path
 
-    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         write_oneshot_suite(tmp)
-        print(".. begin-table\n\n" + table_rst(tally({"built": tmp, "golden": Path(__file__).parent / "golden"}))
-              + "\n.. end-table\n\n.. begin-how\n\n" + how_rst() + "\n.. end-how")
+        return (".. begin-table\n\n" + table_rst(tally({"built": tmp, "golden": Path(golden)}))
+                + "\n.. end-table\n\n.. begin-how\n\n" + how_rst() + "\n.. end-how")
+
+
+if __name__ == "__main__":  # python -m refkv.interop.kvpress GOLDEN_DIR: the docs blocks (paste them into kvpress.rst)
+    import sys
+
+    torch.set_num_threads(1)
+    print(docs_blocks(sys.argv[1] if len(sys.argv) > 1 else "tests/golden"))
