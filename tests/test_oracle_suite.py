@@ -20,8 +20,9 @@ REGENERATE = "regenerate with: refkv golden generate --out tests/golden"
 def test_the_suite_is_intact_and_small():
     index = read_suite(GOLDEN)  # verifies every file's sha256
     size = sum(f.stat().st_size for f in GOLDEN.rglob("*") if f.is_file())
-    # 3.7 MB of vectors, block and one-shot goldens, 0.55 MB of schedule goldens (issue 22 A)
-    assert size < 4_500_000, f"the committed suite is {size} bytes"
+    # 3.7 MB of vectors, block and one-shot goldens, 0.55 MB of schedule goldens (issue 22 A),
+    # 0.75 MB for AdaKV and PyramidKV (SnapKV's 32-token window makes their cases large): 5.0 MB
+    assert size < 5_500_000, f"the committed suite is {size} bytes"
     listed = {e["path"] for e in index["files"]}
     on_disk = {str(p.relative_to(GOLDEN)) for p in GOLDEN.rglob("*.json")} - {"suite.json"}
     assert listed == on_disk
