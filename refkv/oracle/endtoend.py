@@ -445,7 +445,8 @@ def run_schedule_golden(policy: Policy, schedule, *, dtype="float64", prompt_len
 
     def on_step(step, rnd):
         if rnd is not None:
-            snapshots.append((rnd, [(c.positions.copy(), c.keys.copy(), c.values.copy()) for c in engine.caches]))
+            # Empty slots of an uneven cache (AdaKV, PyramidKV) are recorded as -1, like the padding.
+            snapshots.append((rnd, [(c.positions_or(-1), c.keys.copy(), c.values.copy()) for c in engine.caches]))
 
     logits, rounds = run_schedule(engine, prompt, new, schedule, on_step=on_step)
     by_step = {r.step: i for i, r in enumerate(rounds)}
@@ -475,8 +476,9 @@ def run_schedule_golden(policy: Policy, schedule, *, dtype="float64", prompt_len
             n = positions.shape[1]
             kept[r, layer, :, :n] = positions
             kept_count[r, layer] = n
-            key_print[r, layer, :, :n] = fingerprints(keys, cfg.d_head)
-            value_print[r, layer, :, :n] = fingerprints(values, cfg.d_head)
+            real = positions >= 0  # (Hkv, n): False at an empty slot, whose print stays NaN
+            key_print[r, layer, :, :n] = np.where(real, fingerprints(keys, cfg.d_head), np.nan)
+            value_print[r, layer, :, :n] = np.where(real, fingerprints(values, cfg.d_head), np.nan)
             if (r, layer) not in log:
                 continue
             cand, s, prot, cols = log[(r, layer)]

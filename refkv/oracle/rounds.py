@@ -166,10 +166,18 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
             for h in range(hkv):
                 where = f"round {r}, layer {l}, head {h}"
                 a_rows, r_pos = kept_c[r, l, h, :k], kept_r[r, l, h, :k]
-                a_set = np.sort(a_rows)
-                if len(np.unique(a_rows)) != k:
+                # A head of an uneven budget (AdaKV, PyramidKV) holds fewer tokens than the widest
+                # head of its layer: -1 pads its row (after the real positions, in the reference).
+                a_real, r_pos = a_rows[a_rows >= 0], r_pos[r_pos >= 0]
+                a_set = np.sort(a_real)
+                if len(np.unique(a_real)) != len(a_real):
                     diverge(r, l, h, "kept-set difference beyond ties",
-                            f"{where}: candidate rows claim a position twice ({_ranges(a_rows)})")
+                            f"{where}: candidate rows claim a position twice ({_ranges(a_real)})")
+                    continue
+                if len(a_real) != len(r_pos):
+                    diverge(r, l, h, "kept count differs",
+                            f"{where}: candidate holds {len(a_real)} tokens in this head, the reference "
+                            f"{len(r_pos)} (an uneven budget allocated differently)")
                     continue
                 if not np.array_equal(a_set, r_pos):
                     if c == 0:

@@ -175,7 +175,7 @@ def _walk_blocks(res, candidate, reference, rtol, rule, before, strict_ties) -> 
             for h in range(hkv):
                 # Kept positions are a set: a cache whose rows are a permutation of them holds the
                 # same tokens (kvpress gathers rows in score order).
-                a_pos, r_pos = np.sort(kept_c[b, l, h, :k]), kept_r[b, l, h, :k]
+                a_pos, r_pos = _as_set(kept_c[b, l, h, :k]), kept_r[b, l, h, :k]
                 if np.array_equal(a_pos, r_pos):
                     continue
                 where = f"block {b}, layer {l}, head {h}"
@@ -290,3 +290,10 @@ def _evicting_block(position, layer, head, cand_pos, cand_n, kept, counts) -> in
         if position not in kept[b, layer, head, :int(counts[b, layer])]:
             return b
     return None
+
+
+def _as_set(row: np.ndarray) -> np.ndarray:
+    """A kept row in the reference's order: its positions sorted, then its ``-1`` padding
+    (a head of an uneven budget holds fewer tokens than the widest head of its layer)."""
+    row = np.asarray(row)
+    return np.concatenate([np.sort(row[row >= 0]), row[row < 0]])
