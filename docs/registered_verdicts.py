@@ -6,9 +6,12 @@ Run after the registered design has run (``docs/guide/registration.rst``)::
     refkv experiment passkey --registered --passkey-lengths L   # L: printed by this script
     refkv experiment perplexity --registered --jobs 2
     refkv experiment perplexity --registered --policies SPEC    # SPEC: MAT's chosen spec, printed here
+    refkv experiment attention_loss --registered --jobs 2      # claim A1
+    refkv experiment geometry --registered --jobs 2            # claims G1, G2, S1
     python docs/registered_verdicts.py results
 
-It reads ``RESULTS/passkey.jsonl`` and ``RESULTS/perplexity.jsonl`` and the registration
+It reads ``RESULTS/passkey.jsonl``, ``perplexity.jsonl``, ``attention_loss.jsonl`` and
+``geometry.jsonl`` (a missing file leaves its claims out of the table) and the registration
 (``docs/experiment_registration.json``), and writes into
 ``docs/_static/experiments/registered/``: ``verdicts.csv`` (one row per registered
 comparison: n in prompts or texts, estimate, 95% interval, p, Holm-adjusted p, verdict,
@@ -25,10 +28,14 @@ from pathlib import Path
 
 from refkv.experiments.common import write_csv
 from refkv.experiments.registered import (
+    UNIT_COLUMNS,
+    attention_loss_comparisons,
     calibrated_length,
     chosen_mat,
+    geometry_comparisons,
     passkey_comparisons,
     perplexity_comparisons,
+    unit_rows,
     verdict_rows,
 )
 from refkv.experiments.runner import read_records
@@ -51,17 +58,14 @@ def tables(results: Path) -> dict[str, list[dict]]:
     passkey = read_records(results / "passkey.jsonl")
     perplexity = read_records(results / "perplexity.jsonl")
     length, tally = calibrated_length(passkey, design)
-    comparisons = passkey_comparisons(passkey) + perplexity_comparisons(perplexity)
-    units = []
-    for c in comparisons:
-        for i, a in enumerate(c.a_values):
-            units.append({"claim": c.claim, "a": c.a, "b": c.b, "unit": i, "value_a": a,
-                          "value_b": None if c.b_values is None else c.b_values[i]})
+    comparisons = (passkey_comparisons(passkey) + perplexity_comparisons(perplexity)
+                   + attention_loss_comparisons(read_records(results / "attention_loss.jsonl"))
+                   + geometry_comparisons(read_records(results / "geometry.jsonl")))
     return {
         "verdicts": verdict_rows(design, comparisons),
         "calibration": [{"length": k, "correct": right, "prompts": n, "chosen": k == length}
                         for k, (right, n) in tally.items()],
-        "units": units,
+        "units": unit_rows(comparisons),
         "mat": [{"chosen_mat": chosen_mat(perplexity)}],
     }
 
@@ -72,7 +76,7 @@ def main(argv: list[str]) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     write_csv(OUT / "verdicts.csv", out["verdicts"], COLUMNS)
     write_csv(OUT / "calibration.csv", out["calibration"], ["length", "correct", "prompts", "chosen"])
-    write_csv(OUT / "units.csv", out["units"], ["claim", "a", "b", "unit", "value_a", "value_b"])
+    write_csv(OUT / "units.csv", out["units"], UNIT_COLUMNS)
     chosen = [row["length"] for row in out["calibration"] if row["chosen"]]
     print(f"calibrated passkey length: {chosen[0] if chosen else 'none reached the ceiling'}; "
           f"MAT's chosen spec: {out['mat'][0]['chosen_mat']}; {len(out['verdicts'])} verdicts -> {OUT}")
