@@ -175,3 +175,65 @@ def test_the_published_verdicts_follow_from_the_published_units(tmp_path):
     published = (folder / "verdicts.csv").read_text(encoding="utf-8")
     recomputed = write_csv(tmp_path / "verdicts.csv", rows, published.splitlines()[0].split(","))
     assert recomputed.read_text(encoding="utf-8") == published
+
+
+def _verdicts_script():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("registered_verdicts", ROOT / "docs" / "registered_verdicts.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["registered_verdicts"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_page_blocks_follow_from_the_published_csvs():
+    """The results page's included blocks are what docs/registered_verdicts.py writes from
+    the committed CSVs (before the run is published, they say so)."""
+    module = _verdicts_script()
+    folder = ROOT / "docs" / "_static" / "experiments" / "registered"
+    assert (folder / "verdicts.inc").read_text(encoding="utf-8") == module.verdict_block(folder, REGISTRATION)
+    assert (folder / "run.inc").read_text(encoding="utf-8") == module.run_block(folder)
+
+
+def test_the_verdict_block_shows_every_registered_column(tmp_path):
+    """From a verdict table: one plain-words line per registered claim (the ones not run
+    say so) and one table row per comparison with its hypothesis, n in prompts or texts,
+    estimate, interval, Holm-adjusted p, paper effect, larger/smaller/consistent and verdict."""
+    from refkv.experiments.common import write_csv
+
+    module = _verdicts_script()
+    rng = np.random.default_rng(3)
+    full = rng.uniform(10, 20, 16)
+    comparisons = [
+        Comparison("P1", "keydiff", "snapkv", np.arange(60) < 50, np.arange(60) < 10, "prompts"),
+        Comparison("L1", "keydiff", "tova", full + 3 + rng.normal(0, 0.1, 16), full + 1, "texts", 1.0),
+        Comparison("G1", "spearman", None, rng.normal(0.0, 0.1, 16), None, "prompts"),
+    ]
+    rows = verdict_rows(REGISTRATION, comparisons)
+    write_csv(tmp_path / "verdicts.csv", rows, module.COLUMNS)
+    text = module.verdict_block(tmp_path, REGISTRATION)
+    assert "(M1): not run." in text and "(P1): **holds** (KeyDiff - SnapKV +0.667" in text
+    assert "larger than the paper" in text                      # +0.667 [..] lies beyond +0.28
+    assert "(L1): **reversed** (KeyDiff - TOVA +2" in text
+    table = text[text.index(".. list-table::"):]
+    assert table.count("   * - ") == 1 + len(rows)
+    for needle in ("KeyDiff - SnapKV > 0", "60 prompts", "16 texts", "< 0.0001", "+0.28", "larger",
+                   "Spearman rho < 0", "no effect registered", "not resolved"):
+        assert needle in table, needle
+    assert module.verdict_block(tmp_path / "nothing", REGISTRATION).startswith("The registered run's verdicts are not")
+
+
+def test_the_run_block_reads_calibration_choices_and_cost(tmp_path):
+    from refkv.experiments.common import write_csv
+
+    module = _verdicts_script()
+    write_csv(tmp_path / "calibration.csv", [{"length": 512, "correct": 60, "prompts": 60, "chosen": False},
+                                             {"length": 1024, "correct": 58, "prompts": 60, "chosen": True}])
+    write_csv(tmp_path / "choices.csv", [{"calibrated_length": 1024, "mat_spec": "mat:beta=16,shallow_layers=2"}])
+    write_csv(tmp_path / "run.csv", [{"experiment": "passkey", "cells": 720, "core_minutes": 70.5,
+                                      "wall_minutes": 36.0}])
+    text = module.run_block(tmp_path)
+    assert "60/60 at 512 tokens, 58/60 at 1,024 tokens" in text and "**L = 1,024**" in text
+    assert "``mat:beta=16,shallow_layers=2``" in text and "   * - passkey\n     - 720\n     - 70.5" in text
