@@ -72,7 +72,7 @@ def _run(experiment, settings):
     return [{"params": c, "result": experiment.run_cell(c)} for c in experiment.cells(settings)]
 
 
-def test_registered_cells_run_into_the_registered_comparisons():
+def test_registered_cells_run_into_the_registered_comparisons(tmp_path):
     """On the tiny model with 48-token texts (prompts of 48 tokens, N = 24), every cell
     runs and the records become A1's two, G1's one, S1's one and G2's four comparisons on
     all 16 prompts, which the registered rule turns into verdict rows."""
@@ -89,6 +89,12 @@ def test_registered_cells_run_into_the_registered_comparisons():
              and (r["params"]["text"], r["params"]["segment"]) == (first["text"], first["segment"])]
     assert len(seeds) == 3 and a1[0].a_values[0] == pytest.approx(np.mean(seeds))
     assert a1[0].reference == pytest.approx(np.mean(a1[0].b_values))
+    # The summary tables count the 16 prompts (two sources share segment numbers).
+    attention_loss.summarise(records, tmp_path, settings)
+    import csv
+
+    with open(tmp_path / "step_loss.csv", newline="", encoding="utf-8") as f:
+        assert {row["prompts"] for row in csv.DictReader(f)} == {"16"}
 
     records = _run(geometry, settings)
     g = geometry_comparisons(records)

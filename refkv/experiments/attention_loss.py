@@ -479,12 +479,12 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
                       for i in range(len(next(iter(curves.values()))))]
         written.append(write_csv(folder / "output_error_by_layer.csv", layer_rows))
     written.append(write_csv(folder / "output_error_pairs.csv", paired_rows(
-        {(r["params"]["policy"], r["params"]["budget"], r["params"]["block"], r["params"]["segment"]):
+        {(r["params"]["policy"], r["params"]["budget"], r["params"]["block"], _prompt(r["params"])):
          r["result"]["mean_error"] for r in err_records})))
 
     step_records = [r for r in records if r["params"]["kind"] == "step_loss" and "skipped" not in r["result"]]
     per_policy: dict[str, list[float]] = {}
-    for r in sorted(step_records, key=lambda r: r["params"]["segment"]):
+    for r in sorted(step_records, key=lambda r: _prompt(r["params"])):
         per_policy.setdefault(r["params"]["policy"], []).append(r["result"]["mean_loss"])
     rows = []
     for policy, values in per_policy.items():
@@ -500,7 +500,7 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
                                                               "budget", "mean_loss", "loss_low", "loss_high",
                                                               "prompts"]))
     written.append(write_csv(folder / "step_loss_pairs.csv", paired_rows(
-        {(r["params"]["policy"], r["params"]["budget"], r["params"]["block"], r["params"]["segment"]):
+        {(r["params"]["policy"], r["params"]["budget"], r["params"]["block"], _prompt(r["params"])):
          r["result"]["mean_loss"] for r in step_records})))
     from . import plots
 
@@ -529,6 +529,11 @@ def paired_rows(values: dict[tuple, float]) -> list[dict]:
                          "prompts": interval.n, "difference": interval.estimate, "low": interval.low,
                          "high": interval.high})
     return rows
+
+
+def _prompt(params: dict) -> tuple[str, int]:
+    """A cell's prompt: its text (the registered cells name one of two sources) and segment."""
+    return params.get("text", ""), params["segment"]
 
 
 def _label(name: str) -> str:
