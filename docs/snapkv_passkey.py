@@ -59,7 +59,8 @@ def _regions(tokenizer, tokens: list[int], key_at: int, question: str, intro: st
     """Token positions of each region; ``key_at`` is the key's second digit (digits are
     single tokens in SmolLM2), the needle sentence's lead is the 5 tokens before the key."""
     first = key_at - 1
-    out = {"intro": np.arange(len(tokenizer.encode(intro))), "lead": np.arange(first - 5, first), "tail": np.arange(first + 5, first + 9),
+    out = {"intro": np.arange(len(tokenizer.encode(intro))), "lead": np.arange(first - 5, first),
+           "tail": np.arange(first + 5, first + 9),
            "question": np.arange(len(tokens) - len(tokenizer.encode(question)), len(tokens))}
     out.update({f"digit{i + 1}": np.array([first + i]) for i in range(5)})
     return out

@@ -69,6 +69,7 @@ def test_update_rewrites_only_the_blocks():
     text = "before\n\n.. experiment-numbers: choosing-kernel\n\nold text\n\n.. experiment-numbers: end\n\nafter\n"
     new, changed = numbers.update(text, {"choosing-kernel": "new text\n"})
     assert changed == ["choosing-kernel"]
-    assert new == "before\n\n.. experiment-numbers: choosing-kernel\n\nnew text\n\n.. experiment-numbers: end\n\nafter\n"
+    assert new == ("before\n\n.. experiment-numbers: choosing-kernel\n\nnew text\n\n"
+                   ".. experiment-numbers: end\n\nafter\n")
     with pytest.raises(ValueError, match="not generated here"):
         numbers.update(text.replace("choosing-kernel", "nowhere"), {"choosing-kernel": "x\n"})
