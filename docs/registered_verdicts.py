@@ -182,7 +182,7 @@ def verdict_block(folder: Path, design: dict) -> str:
         table += [f"   * - {r['claim']}", f"     - {_hypothesis(claim, r)}", f"     - {r['n']} {r['unit']}",
                   f"     - {_number(r['estimate'])}", f"     - [{_number(r['low'])}, {_number(r['high'])}]",
                   f"     - {_p(r['p_holm'])}", f"     - {_number(r['paper_effect']) or 'none'}",
-                  f"     - {AGAINST.get(r['versus_paper'], 'no effect registered')}",
+                  f"     - {AGAINST.get(r['versus_paper'], 'n/a')}",
                   f"     - {r['verdict']}"]
     downloads = ("The verdict table, the calibration and every prompt's or text's values are downloadable: "
                  ":download:`verdicts.csv <../_static/experiments/registered/verdicts.csv>`, "

@@ -226,7 +226,7 @@ def test_the_verdict_block_shows_every_registered_column(tmp_path):
     table = text[text.index(".. list-table::"):]
     assert table.count("   * - ") == 1 + len(rows)
     for needle in ("KeyDiff - SnapKV > 0", "60 prompts", "16 texts", "< 0.0001", "+0.28", "larger",
-                   "Spearman rho < 0", "no effect registered", "not resolved"):
+                   "Spearman rho < 0", "n/a", "not resolved"):
         assert needle in table, needle
     assert module.verdict_block(tmp_path / "nothing", REGISTRATION).startswith("The registered run's verdicts are not")
 
