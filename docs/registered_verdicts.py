@@ -6,32 +6,50 @@ Run after the registered design has run (``docs/guide/registration.rst``)::
     refkv experiment passkey --registered --passkey-lengths L   # L: printed by this script
     refkv experiment perplexity --registered --jobs 2
     refkv experiment perplexity --registered --policies SPEC    # SPEC: MAT's chosen spec, printed here
+    refkv experiment attention_loss --registered --jobs 2      # claim A1
+    refkv experiment geometry --registered --jobs 2            # claims G1, G2, S1
     python docs/registered_verdicts.py results
 
-It reads ``RESULTS/passkey.jsonl`` and ``RESULTS/perplexity.jsonl`` and the registration
+It reads ``RESULTS/passkey.jsonl``, ``perplexity.jsonl``, ``attention_loss.jsonl`` and
+``geometry.jsonl`` (a missing file leaves its claims out of the table) and the registration
 (``docs/experiment_registration.json``), and writes into
 ``docs/_static/experiments/registered/``: ``verdicts.csv`` (one row per registered
 comparison: n in prompts or texts, estimate, 95% interval, p, Holm-adjusted p, verdict,
-scaled paper effect and where the interval lies against it), ``calibration.csv``, and
-``units.csv`` (one row per prompt or text and comparison, so anyone can recompute). Every
-rule lives in :mod:`refkv.experiments.registered`; this script only reads and writes.
+scaled paper effect and where the interval lies against it), ``calibration.csv``,
+``units.csv`` (one row per prompt or text and comparison, at full precision, so anyone can
+recompute the verdicts: ``tests/test_experiment_registered_prompts.py`` does), ``run.csv``
+(cells, core-minutes and wall minutes per experiment, from the records), ``choices.csv``
+(the calibrated length and MAT's chosen spec), and the two text blocks the results page
+includes, generated from those CSVs only: ``verdicts.inc`` (the verdicts in words and the
+verdict table) and ``run.inc`` (the calibration, the choices and the cost). Every rule lives
+in :mod:`refkv.experiments.registered`; this script only reads and writes.
+
+``python docs/registered_verdicts.py --page`` rewrites only the two text blocks from the
+committed CSVs (before the run is published they say so).
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
+from datetime import datetime
 from pathlib import Path
 
 from refkv.experiments.common import write_csv
 from refkv.experiments.registered import (
+    UNIT_COLUMNS,
+    attention_loss_comparisons,
     calibrated_length,
     chosen_mat,
+    geometry_comparisons,
     passkey_comparisons,
     perplexity_comparisons,
+    unit_rows,
     verdict_rows,
 )
 from refkv.experiments.runner import read_records
+from refkv.files import atomic_write
 
 HERE = Path(__file__).resolve().parent
 REGISTRATION = HERE / "experiment_registration.json"
@@ -51,29 +69,176 @@ def tables(results: Path) -> dict[str, list[dict]]:
     passkey = read_records(results / "passkey.jsonl")
     perplexity = read_records(results / "perplexity.jsonl")
     length, tally = calibrated_length(passkey, design)
-    comparisons = passkey_comparisons(passkey) + perplexity_comparisons(perplexity)
-    units = []
-    for c in comparisons:
-        for i, a in enumerate(c.a_values):
-            units.append({"claim": c.claim, "a": c.a, "b": c.b, "unit": i, "value_a": a,
-                          "value_b": None if c.b_values is None else c.b_values[i]})
+    comparisons = (passkey_comparisons(passkey) + perplexity_comparisons(perplexity)
+                   + attention_loss_comparisons(read_records(results / "attention_loss.jsonl"))
+                   + geometry_comparisons(read_records(results / "geometry.jsonl")))
     return {
         "verdicts": verdict_rows(design, comparisons),
         "calibration": [{"length": k, "correct": right, "prompts": n, "chosen": k == length}
                         for k, (right, n) in tally.items()],
-        "units": units,
+        "units": unit_rows(comparisons),
         "mat": [{"chosen_mat": chosen_mat(perplexity)}],
     }
 
 
+def run_cost(results: Path) -> list[dict]:
+    """Per experiment file: registered cells, core-minutes (the records' CPU time) and wall
+    minutes (first cell's start to last cell's end, from ``finished_utc`` and ``wall_time_s``)."""
+    rows, total_cpu, total_wall, total_cells = [], 0.0, 0.0, 0
+    for name in EXPERIMENTS:
+        records = [r for r in read_records(results / f"{name}.jsonl") if r["params"].get("design") == "registered"
+                   and "finished_utc" in r]                   # the runner's records all carry their times
+        if not records:
+            continue
+        ends = [datetime.fromisoformat(r["finished_utc"].replace("Z", "+00:00")).timestamp() for r in records]
+        starts = [end - r["wall_time_s"] for end, r in zip(ends, records)]
+        cpu = sum(r["cpu_time_s"] for r in records) / 60
+        wall = (max(ends) - min(starts)) / 60
+        rows.append({"experiment": name, "cells": len(records), "core_minutes": round(cpu, 1),
+                     "wall_minutes": round(wall, 1)})
+        total_cpu, total_wall, total_cells = total_cpu + cpu, total_wall + wall, total_cells + len(records)
+    if rows:
+        rows.append({"experiment": "all", "cells": total_cells, "core_minutes": round(total_cpu, 1),
+                     "wall_minutes": round(total_wall, 1)})
+    return rows
+
+
+#: The experiments of the registered design, in the order they run.
+EXPERIMENTS = ("passkey", "perplexity", "attention_loss", "geometry")
+#: How the page names a comparison's side.
+NAMES = {"keydiff": "KeyDiff", "snapkv": "SnapKV", "tova": "TOVA", "h2o": "H2O", "sink": "sink", "knorm": "L2",
+         "knorm:recent=10,sink=4": "L2 (4+10 kept)", "hashevict": "HashEvict", "mat@selected": "MAT",
+         "caote:base=h2o": "CAOTE+H2O", "caote:base=tova": "CAOTE+TOVA", "caote:base=snapkv": "CAOTE+SnapKV",
+         "snapkv@oneshot": "SnapKV one-shot", "tova@oneshot": "TOVA one-shot", "h2o@oneshot": "H2O one-shot",
+         "snapkv@blocks": "SnapKV blocks", "tova@blocks": "TOVA blocks", "h2o@blocks": "H2O blocks",
+         "bits=32": "32 bits", "bits=8": "8 bits", "spearman": "Spearman rho"}
+
+
+#: The table's short form of :func:`refkv.experiments.registered.versus_paper`'s wording.
+AGAINST = {"larger than the paper": "larger", "smaller than the paper": "smaller",
+           "consistent with the paper": "consistent"}
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _number(text: str) -> str:
+    """A signed number to 3 significant digits (``+0.25``, ``-0.0123``, ``+4.69``)."""
+    if text in ("", None):
+        return ""
+    x = float(text)
+    return "0" if x == 0 else f"{x:+.3g}"
+
+
+def _p(text: str) -> str:
+    p = float(text)
+    return "< 0.0001" if p < 1e-4 else f"{p:.2g}"
+
+
+def _hypothesis(claim: dict, row: dict) -> str:
+    a = NAMES.get(row["a"], row["a"])
+    if row["a"].endswith("@oneshot"):                   # P2: a policy one-shot against itself in blocks
+        return f"{a.rsplit(' ', 1)[0]}: one-shot - blocks {claim['direction'].replace('A - B ', '')}"
+    if not row["b"]:
+        return f"{a} {claim['direction'].replace('statistic ', '')}"
+    return f"{a} - {NAMES.get(row['b'], row['b'])} {claim['direction'].replace('A - B ', '')}"
+
+
+def verdict_block(folder: Path, design: dict) -> str:
+    """The results page's verdicts, from ``verdicts.csv`` alone: one sentence per claim in
+    plain words, then the table (claim, registered hypothesis, n, estimate, 95% interval,
+    Holm-adjusted p, scaled paper effect, where the interval lies against it, verdict)."""
+    rows = _read(folder / "verdicts.csv")
+    if not rows:
+        return ("The registered run's verdicts are not published yet: "
+                "``python docs/registered_verdicts.py RESULTS`` writes them here from the run's records.\n")
+    claims = {claim["id"]: claim for claim in design["claims"]}
+    lines = []
+    for claim_id, claim in claims.items():
+        mine = [r for r in rows if r["claim"] == claim_id]
+        if not mine:
+            lines.append(f"* **{claim['claim']}** ({claim_id}): not run.")
+            continue
+        parts = []
+        for verdict in ("holds", "reversed", "not resolved"):
+            these = [r for r in mine if r["verdict"] == verdict]
+            if these:
+                what = "; ".join(f"{_hypothesis(claim, r).rsplit(' ', 2)[0]} {_number(r['estimate'])} "
+                                 f"[{_number(r['low'])}, {_number(r['high'])}]"
+                                 + (f", {r['versus_paper']}" if r["versus_paper"] else "") for r in these)
+                parts.append(f"**{verdict}** ({what})")
+        lines.append(f"* **{claim['claim']}** ({claim_id}): {'; '.join(parts)}.")
+    table = [".. list-table:: The registered verdicts (``verdicts.csv``); intervals are 95%, p is Holm-adjusted "
+             "within each claim",
+             "   :header-rows: 1", "   :widths: 5 27 9 9 16 8 9 9 8", "",
+             "   * - Claim", "     - Registered hypothesis", "     - n", "     - Estimate", "     - 95% interval",
+             "     - Holm p", "     - Paper effect", "     - vs paper", "     - Verdict"]
+    for r in rows:
+        claim = claims[r["claim"]]
+        table += [f"   * - {r['claim']}", f"     - {_hypothesis(claim, r)}", f"     - {r['n']} {r['unit']}",
+                  f"     - {_number(r['estimate'])}", f"     - [{_number(r['low'])}, {_number(r['high'])}]",
+                  f"     - {_p(r['p_holm'])}", f"     - {_number(r['paper_effect']) or 'none'}",
+                  f"     - {AGAINST.get(r['versus_paper'], 'n/a')}",
+                  f"     - {r['verdict']}"]
+    downloads = ("The verdict table, the calibration and every prompt's or text's values are downloadable: "
+                 ":download:`verdicts.csv <../_static/experiments/registered/verdicts.csv>`, "
+                 ":download:`units.csv <../_static/experiments/registered/units.csv>` (one row per comparison "
+                 "and prompt or text, at full precision; a test recomputes the verdict table from it with the "
+                 "registered rule, :mod:`refkv.experiments.registered`), "
+                 ":download:`calibration.csv <../_static/experiments/registered/calibration.csv>`.")
+    return "\n".join(lines) + "\n\n" + "\n".join(table) + "\n\n" + downloads + "\n"
+
+
+def run_block(folder: Path) -> str:
+    """The results page's account of the run, from ``calibration.csv``, ``choices.csv`` and
+    ``run.csv``: the calibration per length, the calibrated length, MAT's chosen spec, and
+    the cells, core-minutes and wall minutes of each experiment."""
+    calibration, choices, cost = (_read(folder / name) for name in ("calibration.csv", "choices.csv", "run.csv"))
+    if not calibration:
+        return "The registered run is not published yet.\n"
+    tally = ", ".join(f"{int(r['correct'])}/{int(r['prompts'])} at {int(r['length']):,} tokens" for r in calibration)
+    chosen = choices[0] if choices else {}
+    length = chosen.get("calibrated_length") or 0
+    text = [f"Calibration (the full cache, before any policy ran): {tally}; the registered length is "
+            f"**L = {int(length):,}** (the largest at which the full cache answered at least 95%), so ``N = L/8``.",
+            f"MAT's configuration chosen on the 4 selection texts: ``{chosen.get('mat_spec') or 'none'}``.", ""]
+    if cost:
+        text += [".. list-table:: The run's cost, from the records", "   :header-rows: 1", "",
+                 "   * - Experiment", "     - Cells", "     - Core-minutes", "     - Wall minutes"]
+        for r in cost:
+            text += [f"   * - {r['experiment']}", f"     - {r['cells']}", f"     - {r['core_minutes']}",
+                     f"     - {r['wall_minutes']}"]
+    return "\n".join(text) + "\n"
+
+
+def write_page_blocks(folder: Path = OUT) -> None:
+    """``verdicts.inc`` and ``run.inc`` from the CSVs in ``folder``."""
+    design = registration()
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write(folder / "verdicts.inc", verdict_block(folder, design))
+    atomic_write(folder / "run.inc", run_block(folder))
+
+
 def main(argv: list[str]) -> int:
+    if argv == ["--page"]:
+        write_page_blocks(OUT)
+        print(f"page blocks rewritten from the CSVs in {OUT}")
+        return 0
     results = Path(argv[0] if argv else "results")
     out = tables(results)
     OUT.mkdir(parents=True, exist_ok=True)
     write_csv(OUT / "verdicts.csv", out["verdicts"], COLUMNS)
     write_csv(OUT / "calibration.csv", out["calibration"], ["length", "correct", "prompts", "chosen"])
-    write_csv(OUT / "units.csv", out["units"], ["claim", "a", "b", "unit", "value_a", "value_b"])
+    write_csv(OUT / "units.csv", out["units"], UNIT_COLUMNS)
+    write_csv(OUT / "run.csv", run_cost(results), ["experiment", "cells", "core_minutes", "wall_minutes"])
     chosen = [row["length"] for row in out["calibration"] if row["chosen"]]
+    write_csv(OUT / "choices.csv", [{"calibrated_length": chosen[0] if chosen else None,
+                                     "mat_spec": out["mat"][0]["chosen_mat"]}], ["calibrated_length", "mat_spec"])
+    write_page_blocks(OUT)
     print(f"calibrated passkey length: {chosen[0] if chosen else 'none reached the ceiling'}; "
           f"MAT's chosen spec: {out['mat'][0]['chosen_mat']}; {len(out['verdicts'])} verdicts -> {OUT}")
     return 0

@@ -93,6 +93,7 @@ from .common import (
     FAST_CAOTE,
     cached_capture,
     canonical_spec,
+    cell_tokens,
     configuration,
     default_policies,
     format_spec_label,
@@ -256,9 +257,41 @@ def attended_sets(model, spec: str, tokens: np.ndarray, budget: int) -> list[lis
     return out
 
 
+#: The registered design's per-step attention-loss policies (claim A1: H2O < HashEvict < L2),
+#: HashEvict with its 3 registered hash seeds (its per-prompt loss is their mean).
+REGISTERED_STEP_POLICIES = ("hashevict:seed=0", "hashevict:seed=1", "hashevict:seed=2", "knorm", "h2o")
+#: The registered prompts: the first 512 tokens of each 1,024-token verdict text.
+REGISTERED_PROMPT_TOKENS = 512
+
+
+def registered_prompts(settings: Settings, length: int = REGISTERED_PROMPT_TOKENS) -> list[dict]:
+    """The registered prompts' cell fields: the first ``length`` tokens of each of the 16
+    perplexity verdict texts (:func:`refkv.experiments.perplexity.registered_texts`)."""
+    from .perplexity import registered_texts
+
+    if settings.policies is not None or settings.budgets is not None or settings.blocks is not None:
+        raise ValueError("policies, budgets and blocks are fixed by the registered design: give --registered "
+                         "without them")
+    text_length = settings.text_length or 1024
+    return [{"model": settings.resolved_model(), "dtype": settings.dtype, "seed": settings.seed,
+             "design": "registered", "text": source, "segment": segment, "text_length": text_length,
+             "length": min(length, text_length)} for source, segment in registered_texts("verdict")]
+
+
+def registered_cells(settings: Settings) -> list[dict]:
+    """The registered attention-loss grid (claim A1): per prompt of
+    :func:`registered_prompts`, :data:`REGISTERED_STEP_POLICIES` token by token (``B = 1``)
+    at ``N = T / 2`` (256 of 512, HashEvict Table 3's 50%)."""
+    return [{**prompt, "kind": "step_loss", "policy": canonical_spec(policy), "budget": prompt["length"] // 2,
+             "block": 1} for prompt in registered_prompts(settings) for policy in REGISTERED_STEP_POLICIES]
+
+
 def cells(settings: Settings) -> list[dict]:
     """ALR cells (one per prompt), per-step attention-loss cells (prompt x policy, ``N = T/2``,
-    ``B = 1``) and output-error cells (prompt x policy x budget x block)."""
+    ``B = 1``) and output-error cells (prompt x policy x budget x block); ``registered``:
+    :func:`registered_cells`."""
+    if settings.registered:
+        return registered_cells(settings)
     model = settings.resolved_model()
     real = model != "tiny"
     if settings.quick:
@@ -316,7 +349,7 @@ def _run_step_loss(params: dict) -> dict:
     reason = policy_error(params["policy"], budget, 1, model.config)
     if reason is not None:
         return {"skipped": reason}
-    tokens = prose_tokens(params["model"], params["dtype"], params["length"], params["segment"])
+    tokens = cell_tokens(params)
     attended = attended_sets(model, params["policy"], tokens, budget)
     _, layers = layer_attention(params)
     by_layer = []
@@ -446,12 +479,12 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
                       for i in range(len(next(iter(curves.values()))))]
         written.append(write_csv(folder / "output_error_by_layer.csv", layer_rows))
     written.append(write_csv(folder / "output_error_pairs.csv", paired_rows(
-        {(r["params"]["policy"], r["params"]["budget"], r["params"]["block"], r["params"]["segment"]):
+        {(r["params"]["policy"], r["params"]["budget"], r["params"]["block"], _prompt(r["params"])):
          r["result"]["mean_error"] for r in err_records})))
 
     step_records = [r for r in records if r["params"]["kind"] == "step_loss" and "skipped" not in r["result"]]
     per_policy: dict[str, list[float]] = {}
-    for r in sorted(step_records, key=lambda r: r["params"]["segment"]):
+    for r in sorted(step_records, key=lambda r: _prompt(r["params"])):
         per_policy.setdefault(r["params"]["policy"], []).append(r["result"]["mean_loss"])
     rows = []
     for policy, values in per_policy.items():
@@ -467,7 +500,7 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
                                                               "budget", "mean_loss", "loss_low", "loss_high",
                                                               "prompts"]))
     written.append(write_csv(folder / "step_loss_pairs.csv", paired_rows(
-        {(r["params"]["policy"], r["params"]["budget"], r["params"]["block"], r["params"]["segment"]):
+        {(r["params"]["policy"], r["params"]["budget"], r["params"]["block"], _prompt(r["params"])):
          r["result"]["mean_loss"] for r in step_records})))
     from . import plots
 
@@ -496,6 +529,11 @@ def paired_rows(values: dict[tuple, float]) -> list[dict]:
                          "prompts": interval.n, "difference": interval.estimate, "low": interval.low,
                          "high": interval.high})
     return rows
+
+
+def _prompt(params: dict) -> tuple[str, int]:
+    """A cell's prompt: its text (the registered cells name one of two sources) and segment."""
+    return params.get("text", ""), params["segment"]
 
 
 def _label(name: str) -> str:

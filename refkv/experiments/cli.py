@@ -59,7 +59,9 @@ def add_experiment_command(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="list the cells still to run and exit")
     p.add_argument("--registered", action="store_true",
                    help="the registered design (docs: registration); passkey: the calibration, or with "
-                        "--passkey-lengths L the test grid at the calibrated length L")
+                        "--passkey-lengths L the test grid at the calibrated length L; perplexity: the 16 verdict "
+                        "texts and MAT's selection texts (--policies SPEC: MAT's chosen spec); attention_loss (A1) and "
+                        "geometry (G1, G2, S1): the first 512 tokens of the 16 verdict texts")
     p.add_argument("--no-summary", action="store_true", help="skip the tables and plots")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="BLAS threads (default: measured with --jobs 1, one per worker otherwise)")

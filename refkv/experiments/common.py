@@ -43,6 +43,7 @@ __all__ = [
     "LayerCapture",
     "best_of_grid",
     "cached_capture",
+    "cell_tokens",
     "canonical_spec",
     "configuration",
     "default_policies",
@@ -239,34 +240,58 @@ def dense_capture(model, tokens) -> tuple[list[LayerCapture], np.ndarray]:
     return layers, model.head(x[-1:])[0]
 
 
+def cell_tokens(params: dict) -> np.ndarray:
+    """A dense cell's prompt: the first ``params["length"]`` tokens of its text.
+
+    A cell names its text by ``"text"`` (a prose source, default the pydoc prose) and
+    ``"segment"``; with ``"text_length"`` the segment is counted in texts of that length and
+    the prompt is that text's first ``length`` tokens (the registered design's prompts are
+    the first 512 tokens of the 1,024-token perplexity texts), else in prompts of ``length``.
+    """
+    length = params["length"]
+    text_length = params.get("text_length") or length
+    if text_length < length:
+        raise ValueError(f"text_length must be >= length ({length}), got {text_length}")
+    tokens = prose_tokens(params["model"], params["dtype"], text_length, params["segment"],
+                          params.get("text", "pydoc_prose"))
+    return tokens[:length]
+
+
 _CAPTURES: dict[tuple, tuple] = {}
 
 
-def cached_capture(model_name: str, dtype: str, length: int, segment: int):
-    """:func:`dense_capture` of prose segment ``segment`` of ``length`` tokens, kept per process.
+def cached_capture(model_name: str, dtype: str, length: int, segment: int, source: str = "pydoc_prose",
+                   text_length: int | None = None):
+    """:func:`dense_capture` of a cell's prompt (:func:`cell_tokens`: the first ``length``
+    tokens of segment ``segment`` of ``source`` counted in texts of ``text_length``, default
+    ``length``), kept per process.
 
     One capture is kept at a time (the real model's is ~100 MB for 1K tokens); cells of
     the same prompt that run one after the other in a process share it.
     """
-    key = (model_name, dtype, length, segment)
+    key = (model_name, dtype, length, segment, source, text_length)
     if key not in _CAPTURES:
         model, _ = load_model(model_name, dtype)
         _CAPTURES.clear()
-        _CAPTURES[key] = dense_capture(model, prose_tokens(model_name, dtype, length, segment))
+        tokens = cell_tokens({"model": model_name, "dtype": dtype, "length": length, "segment": segment,
+                              "text": source, "text_length": text_length})
+        _CAPTURES[key] = dense_capture(model, tokens)
     return _CAPTURES[key]
 
 
 def layer_attention(params: dict):
     """A cell's model and, layer by layer, its dense capture and causal attention weights.
 
-    Reads ``params["model"]``, ``"dtype"``, ``"length"`` (``T``) and ``"segment"``. Returns
+    Reads ``params["model"]``, ``"dtype"``, ``"length"`` (``T``), ``"segment"`` and, where
+    given, ``"text"`` and ``"text_length"`` (:func:`cell_tokens`). Returns
     ``(model, layers)`` where ``layers`` yields ``(layer, capture, weights)`` with ``weights``
     the (Hkv, g, T, T) attention of every query over the prompt, formed one layer at a time.
     """
     from ..attention import attention_weights
 
     model, _ = load_model(params["model"], params["dtype"])
-    captures, _ = cached_capture(params["model"], params["dtype"], params["length"], params["segment"])
+    captures, _ = cached_capture(params["model"], params["dtype"], params["length"], params["segment"],
+                                 params.get("text", "pydoc_prose"), params.get("text_length"))
     positions = np.arange(params["length"], dtype=np.int64)  # (T,)
     kv_positions = np.broadcast_to(positions, (model.config.n_kv_heads, len(positions)))  # (Hkv, T)
 

@@ -60,6 +60,8 @@ from scipy.stats import pearsonr, spearmanr
 
 from .common import (
     cached_capture,
+    canonical_spec,
+    cell_tokens,
     default_policies,
     grid_axes,
     layer_attention,
@@ -67,7 +69,6 @@ from .common import (
     mean_std,
     policy_cells,
     prefill_or_skip,
-    prose_tokens,
     write_csv,
 )
 from .runner import Experiment, Settings, register_experiment, sample_size
@@ -212,7 +213,38 @@ def common_query_statistics(keys: np.ndarray, attention: np.ndarray, fraction: f
 
 
 # -- cells ---------------------------------------------------------------------------------
+#: The registered design's code lengths (claim S1: 32 bits against 8).
+REGISTERED_BITS = (8, 32)
+#: The registered design's retention policies (claim G2: KeyDiff against each of the others).
+REGISTERED_RETENTION_POLICIES = ("keydiff", "snapkv", "tova", "h2o", "sink")
+
+
+def registered_cells(settings: Settings) -> list[dict]:
+    """The registered geometry grid (claims G1, S1, G2).
+
+    On the first 512 tokens of each of the 16 perplexity verdict texts
+    (:func:`refkv.experiments.attention_loss.registered_prompts`): one dense ``cosine`` cell
+    (G1) and one ``hamming`` cell at 8 and 32 bits (S1, 4 projections as in the default
+    grid). On the whole 1,024-token texts: ``retention`` cells of
+    :data:`REGISTERED_RETENTION_POLICIES` at ``N = 256``, ``B = 128`` (G2).
+    """
+    from .attention_loss import registered_prompts
+
+    out = []
+    for prompt in registered_prompts(settings):
+        out.append({**prompt, "kind": "cosine"})
+        out.append({**prompt, "kind": "hamming", "bits": list(REGISTERED_BITS), "projections": 4})
+    for prompt in registered_prompts(settings, settings.text_length or 1024):
+        out += [{**prompt, "kind": "retention", "policy": canonical_spec(policy), "budget": 256, "block": 128}
+                for policy in REGISTERED_RETENTION_POLICIES]
+    return out
+
+
 def cells(settings: Settings) -> list[dict]:
+    """Cosine and Hamming cells per prompt, retention cells per prompt, policy, budget and
+    block; ``registered``: :func:`registered_cells`."""
+    if settings.registered:
+        return registered_cells(settings)
     model = settings.resolved_model()
     real = model != "tiny"
     base = {"model": model, "dtype": settings.dtype, "seed": settings.seed}
@@ -241,8 +273,8 @@ def cells(settings: Settings) -> list[dict]:
 def cost(params: dict) -> float:
     if params["kind"] == "retention":
         return params["length"] / 250.0 + 1.0
-    if params["kind"] == "hamming":
-        return params["length"] * 0.03 * params["projections"]
+    if params["kind"] == "hamming":  # the default grid's four code lengths cost 0.03 s a token each
+        return params["length"] * 0.03 * params["projections"] * len(params["bits"]) / len(BITS)
     return params["length"] * 0.02
 
 
@@ -289,7 +321,7 @@ def _run_cosine(params: dict) -> dict:
 
 def _run_retention(params: dict) -> dict:
     model, _ = load_model(params["model"], params["dtype"])
-    tokens = prose_tokens(params["model"], params["dtype"], params["length"], params["segment"])
+    tokens = cell_tokens(params)
     engine, _, skipped = prefill_or_skip(params, model, tokens)
     if skipped is not None:
         return {"skipped": skipped}
@@ -298,7 +330,7 @@ def _run_retention(params: dict) -> dict:
         volume.append([log_volume(cache.keys[h]) for h in range(cache.n_kv_heads)])
         spread.append([float(mean_pairwise_cosine(cache.keys[h]).mean()) for h in range(cache.n_kv_heads)])
     result = {"log_volume": volume, "kept_mean_cosine": spread}
-    if params["policy"] in FIGURE_POLICIES:
+    if params["policy"] in FIGURE_POLICIES and params.get("design") != "registered":  # the Fig. 4 picture
         layer, head = _plot_head(model.config)
         layers, _ = cached_capture(params["model"], params["dtype"], params["length"], params["segment"])
         kept = np.zeros(params["length"], dtype=bool)

@@ -27,11 +27,15 @@ from .stats import Interval, holm, mcnemar_exact, newcombe_paired_difference, pa
 
 __all__ = [
     "Comparison",
+    "attention_loss_comparisons",
     "calibrated_length",
     "chosen_mat",
+    "comparisons_from_units",
+    "geometry_comparisons",
     "paper_effect",
     "passkey_comparisons",
     "perplexity_comparisons",
+    "unit_rows",
     "verdict_rows",
     "versus_paper",
 ]
@@ -60,6 +64,12 @@ class Comparison:
     reference : float or None
         The quantity a paper effect scales by: B's mean gap to the full cache (perplexity),
         or B's mean loss (attention loss); ``None`` where the effect needs no scaling.
+    labels : tuple of str or None
+        Each unit's name (``"pydoc_prose/3"`` for a text or the prompt it begins,
+        ``"sample 12"`` for a passkey prompt), in the order of the values.
+    full_values : (n,) array or None
+        The full cache's per-text perplexity on the same units (perplexity claims), from
+        which ``reference`` is computed; kept so the per-unit table can recompute it.
     """
 
     claim: str
@@ -69,6 +79,8 @@ class Comparison:
     b_values: np.ndarray | None
     unit: str
     reference: float | None = None
+    labels: tuple[str, ...] | None = None
+    full_values: np.ndarray | None = None
 
 
 def _direction(claim: dict) -> int:
@@ -190,6 +202,10 @@ def verdict_rows(registration: dict, comparisons: list[Comparison], *, alpha: fl
 
 
 # -- from records to comparisons ----------------------------------------------------------------
+def _labels(units: list[tuple[str, int]]) -> tuple[str, ...]:
+    return tuple(f"{source}/{segment}" for source, segment in units)
+
+
 def _registered(records: list[dict]) -> list[dict]:
     return [r for r in records if r["params"].get("design") == "registered" and "skipped" not in r["result"]]
 
@@ -226,7 +242,8 @@ def passkey_comparisons(records: list[dict]) -> list[Comparison]:
             return None
         prompts = sorted(set(answers[a_key]) & set(answers[b_key]))
         return Comparison(claim, a_name, b_name, np.array([answers[a_key][q] for q in prompts]),
-                          np.array([answers[b_key][q] for q in prompts]), "prompts")
+                          np.array([answers[b_key][q] for q in prompts]), "prompts",
+                          labels=tuple(f"sample {q}" for q in prompts))
 
     out = []
     for other in ("snapkv", "tova", "h2o"):
@@ -279,8 +296,9 @@ def perplexity_comparisons(records: list[dict]) -> list[Comparison]:
         if len(units) < 2:
             return None
         b_values = np.array([b[t] for t in units])
-        reference = float(np.mean(b_values - np.array([full[t] for t in units])))
-        return Comparison(claim, a_name, b_name, np.array([a[t] for t in units]), b_values, "texts", reference)
+        full_values = np.array([full[t] for t in units])
+        return Comparison(claim, a_name, b_name, np.array([a[t] for t in units]), b_values, "texts",
+                          float(np.mean(b_values - full_values)), _labels(units), full_values)
 
     out = []
     for other in ("snapkv", "tova", "h2o"):
@@ -294,3 +312,131 @@ def perplexity_comparisons(records: list[dict]) -> list[Comparison]:
     if mat is not None:
         out.append(pair("M1", "mat@selected", side(mat, 1), "sink", side("sink", 1)))
     return [c for c in out if c is not None]
+
+
+# -- the per-prompt claims (A1, G1, G2, S1) -----------------------------------------------------
+def _prompt_values(records: list[dict], kind: str, value) -> dict[str, dict[tuple, float]]:
+    """``{policy or "": {(text, segment): value(result)}}`` of the registered cells of ``kind``."""
+    out: dict[str, dict[tuple, float]] = {}
+    for r in _registered(records):
+        p = r["params"]
+        if p.get("kind") == kind:
+            out.setdefault(p.get("policy", ""), {})[(p["text"], p["segment"])] = float(value(r["result"]))
+    return out
+
+
+def _paired(claim: str, a_name: str, a: dict, b_name: str | None, b: dict | None, *,
+            reference: bool = False) -> Comparison | None:
+    """A and B on the prompts both ran, in the registered prompts' order (``b`` None: one sample);
+    ``reference``: B's mean over those prompts (what a loss ratio scales)."""
+    from .perplexity import registered_texts
+
+    units = [t for t in registered_texts("verdict") if t in a and (b is None or t in b)]
+    if len(units) < 2:
+        return None
+    b_values = None if b is None else np.array([b[t] for t in units])
+    return Comparison(claim, a_name, b_name, np.array([a[t] for t in units]), b_values, "prompts",
+                      float(np.mean(b_values)) if reference else None, _labels(units))
+
+
+def attention_loss_comparisons(records: list[dict]) -> list[Comparison]:
+    """Claim A1 from the registered per-step attention-loss records, paired by prompt.
+
+    A prompt's value is the cell's ``mean_loss`` (over steps, KV heads and layers);
+    HashEvict's is the mean over its registered seeds (the seed is a nuisance, the prompt
+    the unit). ``reference`` is B's mean loss, which HashEvict Table 3's ratios scale.
+    """
+    from .attention_loss import REGISTERED_STEP_POLICIES
+
+    loss = _prompt_values(records, "step_loss", lambda result: result["mean_loss"])
+    seeds = [policy for policy in REGISTERED_STEP_POLICIES if policy.startswith("hashevict")]
+    hashevict = {t: float(np.mean([loss[s][t] for s in seeds])) for t in loss.get(seeds[0], {})
+                 if all(t in loss.get(s, {}) for s in seeds)}
+    out = [_paired("A1", "hashevict", hashevict, "knorm", loss.get("knorm", {}), reference=True),
+           _paired("A1", "h2o", loss.get("h2o", {}), "hashevict", hashevict, reference=True)]
+    return [c for c in out if c is not None]
+
+
+def geometry_comparisons(records: list[dict]) -> list[Comparison]:
+    """Claims G1, S1 and G2 from the registered geometry records, one value per prompt.
+
+    * G1: the Spearman correlation between a key's cosine similarity to the mean (unit) key
+      and the attention it receives, on the common query set of
+      :func:`~refkv.experiments.geometry.common_query_statistics` (the last 25% of queries
+      against the first 75% of keys, so the attention is not confounded by position), mean
+      over layers and KV heads. The cell stores it for *distinctiveness* (minus the mean
+      cosine to the other keys, which ranks keys exactly as minus the cosine to the mean unit
+      key), so the registered statistic is its negative.
+    * S1: Pearson r between attention and inverted Hamming distance at 32 and at 8 bits,
+      mean over layers and query heads.
+    * G2: the mean over layers and KV heads of ``log det(K^T K)`` of the kept keys.
+    """
+    from .geometry import REGISTERED_RETENTION_POLICIES
+
+    cosine = _prompt_values(records, "cosine",
+                            lambda result: -np.nanmean(np.asarray(result["common_queries"]["spearman"], float)))
+    pearson = {bits: _prompt_values(records, "hamming",
+                                    lambda result, b=bits: np.nanmean(np.asarray(result["pearson"][str(b)], float)))
+               for bits in (32, 8)}
+    volume = _prompt_values(records, "retention", lambda result: np.mean(np.asarray(result["log_volume"], float)))
+    out = [_paired("G1", "spearman", cosine.get("", {}), None, None),
+           _paired("S1", "bits=32", pearson[32].get("", {}), "bits=8", pearson[8].get("", {}))]
+    out += [_paired("G2", "keydiff", volume.get("keydiff", {}), other, volume.get(other, {}))
+            for other in REGISTERED_RETENTION_POLICIES if other != "keydiff"]
+    return [c for c in out if c is not None]
+
+
+# -- the per-unit table, and back ----------------------------------------------------------------
+UNIT_COLUMNS = ["claim", "a", "b", "unit", "value_a", "value_b", "value_full"]
+
+
+def unit_rows(comparisons: list[Comparison]) -> list[dict]:
+    """One row per comparison and unit: everything :func:`verdict_rows` needs, at full
+    precision (``repr`` of each float), so the verdict table can be recomputed from it alone
+    (:func:`comparisons_from_units`)."""
+    def text(x):
+        if x is None:
+            return None
+        return str(bool(x)) if isinstance(x, (bool, np.bool_)) else repr(float(x))
+
+    rows = []
+    for c in comparisons:
+        labels = c.labels or tuple(str(i) for i in range(len(c.a_values)))
+        for i, label in enumerate(labels):
+            rows.append({"claim": c.claim, "a": c.a, "b": c.b, "unit": label, "value_a": text(c.a_values[i]),
+                         "value_b": None if c.b_values is None else text(c.b_values[i]),
+                         "value_full": None if c.full_values is None else text(c.full_values[i])})
+    return rows
+
+
+def comparisons_from_units(rows: list[dict], registration: dict) -> list[Comparison]:
+    """The comparisons of a per-unit table (:func:`unit_rows`, read back as strings), in its
+    order, with each ``reference`` recomputed as the records' code computes it: B's mean gap
+    to the full cache where the full cache's values are given, B's mean for an attention
+    loss, none otherwise."""
+    claims = {claim["id"]: claim for claim in registration["claims"]}
+    grouped: dict[tuple, list[dict]] = {}
+    for row in rows:
+        grouped.setdefault((row["claim"], row["a"], row["b"] or None), []).append(row)
+    out = []
+    for (claim_id, a, b), group in grouped.items():
+        claim = claims[claim_id]
+        if claim["measure"] in BINARY_MEASURES:
+            def parse(x):
+                return x == "True"
+        else:
+            parse = float
+        a_values = np.array([parse(r["value_a"]) for r in group])
+        b_values = None if b is None else np.array([parse(r["value_b"]) for r in group])
+        full = (np.array([float(r["value_full"]) for r in group]) if all(r.get("value_full") for r in group)
+                else None)
+        if full is not None:
+            reference = float(np.mean(b_values - full))
+        elif claim["measure"] == "attention loss":
+            reference = float(np.mean(b_values))
+        else:
+            reference = None
+        unit = "texts" if claim["measure"] == "perplexity" else "prompts"
+        out.append(Comparison(claim_id, a, b, a_values, b_values, unit, reference,
+                              tuple(r["unit"] for r in group), full))
+    return out

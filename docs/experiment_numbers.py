@@ -1,0 +1,248 @@
+"""The experiment numbers quoted in README.rst, docs/guide/concepts.rst and docs/guide/choosing.rst.
+
+Every sentence of those pages that quotes a measured number is written here, as a template
+filled from the published tables (``docs/_static/choosing/quality_vs_budget.csv``, which
+``docs/choosing_figure.py`` computes from the experiments, and
+``docs/_static/experiments/perplexity/ppl.csv``), so the three pages cannot disagree (as
+"under 2%" and "within 4%" once did). In each page the generated text sits between two
+comments, each followed or preceded by a blank line::
+
+    .. experiment-numbers: NAME
+
+    ... generated text ...
+
+    .. experiment-numbers: end
+
+``python docs/experiment_numbers.py`` rewrites those blocks from the tables;
+``python docs/experiment_numbers.py --check`` exits 1 naming each block that differs
+(``tests/test_experiment_numbers.py`` runs the same check).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+import sys
+from pathlib import Path
+
+from refkv.files import atomic_write
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+POINTS = HERE / "_static" / "choosing" / "quality_vs_budget.csv"
+PPL = HERE / "_static" / "experiments" / "perplexity" / "ppl.csv"
+#: The attention-based policies the budget advice speaks of.
+ATTENTION = ("h2o", "snapkv", "tova")
+#: A generated block: the opening comment, the text, the closing comment.
+BLOCK = re.compile(r"(?P<open>^(?P<indent>[ \t]*)\.\. experiment-numbers: (?P<name>[\w-]+)\n\n)(?P<body>.*?)"
+                   r"(?P<close>\n^(?P=indent)\.\. experiment-numbers: end\n)", re.M | re.S)
+
+
+def _read(path: Path) -> list[dict]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def values(points_csv: Path = POINTS, ppl_csv: Path = PPL) -> dict[str, str]:
+    """Every quoted number, formatted as the pages print it, from the published tables."""
+    points = _read(points_csv)
+    ppl = _read(ppl_csv)
+
+    def gap(policy, budget):
+        return next(float(r["value"]) for r in points
+                    if r["panel"] == "delta_ppl" and r["policy"] == policy and r["budget"] == str(budget))
+
+    def accuracy(policy, block):
+        return next(float(r["value"]) for r in points
+                    if r["panel"] == "passkey" and r["policy"] == policy and r["block"] == block)
+
+    full = next(r for r in ppl if r["policy"] == "full" and r["block"] == "32")
+    reference = float(full["ppl"])
+    reserve = next(float(r["gap"]) for r in ppl if r["policy"] == "keydiff:reserve=0.5" and r["budget"] == "128"
+                   and r["block"] == "32")
+    budgets = sorted({int(r["budget"]) for r in points if r["panel"] == "delta_ppl"})
+    passkey_n = {r["n"] for r in points if r["panel"] == "passkey"}
+    tokens = {r["n"] for r in points if r["panel"] == "delta_ppl"}
+    if len(passkey_n) != 1 or len(tokens) != 1:
+        raise ValueError(f"the sample sizes differ between rows: {sorted(passkey_n)} prompts, {sorted(tokens)} tokens")
+    texts = int(full["segments"])
+    percent = {n: [100 * gap(p, n) / reference for p in ATTENTION] for n in (128, 256)}
+    others = [float(r["value"]) for r in points if r["panel"] == "passkey" and r["policy"] not in ("keydiff", "full")]
+    blocks_attention = [accuracy(p, "128") for p in ATTENTION]
+
+    def f2(x):
+        return f"{x:.2f}"
+
+    def f1(x):
+        return f"{x:.1f}"
+
+    def acc(x):
+        return f"{x:.1f}".rstrip("0").rstrip(".") if x else "0"
+
+    words = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+    return {
+        "reference": f2(reference),
+        "texts": words.get(texts, str(texts)),
+        "h2o_128": f2(gap("h2o", 128)), "h2o_256": f2(gap("h2o", 256)),
+        "h2o_128_percent": f"{100 * gap('h2o', 128) / reference:.0f}%",
+        "h2o_256_percent": f"{100 * gap('h2o', 256) / reference:.1f}%",
+        "snapkv_tova_128": f"{f1(min(gap('snapkv', 128), gap('tova', 128)))}-"
+                           f"{f1(max(gap('snapkv', 128), gap('tova', 128)))}",
+        "snapkv_tova_256": f"{f1(min(gap('snapkv', 256), gap('tova', 256)))}-"
+                           f"{f1(max(gap('snapkv', 256), gap('tova', 256)))}",
+        "caote_128": f2(gap("caote:base=h2o", 128)), "caote_256": f2(gap("caote:base=h2o", 256)),
+        "quarter_within": f"{math.ceil(max(percent[256]))}%",
+        "quarter_range": f"{min(percent[256]):.1f}-{max(percent[256]):.1f}%",
+        "eighth_range": f"{min(percent[128]):.0f}-{max(percent[128]):.0f}%",
+        "keydiff_blocks": acc(accuracy("keydiff", "128")), "keydiff_oneshot": acc(accuracy("keydiff", "none")),
+        "keydiff_range": f"{acc(min(accuracy('keydiff', '128'), accuracy('keydiff', 'none')))}-"
+                         f"{acc(max(accuracy('keydiff', '128'), accuracy('keydiff', 'none')))}",
+        "full_passkey": acc(accuracy("full", "128")),
+        "others_range": f"{acc(min(others))}-{acc(max(others))}",
+        "attention_blocks_range": f"{acc(min(blocks_attention))}-{acc(max(blocks_attention))}",
+        "tova_oneshot": acc(accuracy("tova", "none")), "tova_blocks": acc(accuracy("tova", "128")),
+        "prompts": passkey_n.pop(),
+        "keydiff_128": f1(gap("keydiff", 128)), "keydiff_reserve_128": f1(reserve),
+        "sink_256": f2(gap("sink", 256)), "mat_256": f2(gap("mat", 256)), "knorm_256": f1(gap("knorm", 256)),
+        "budget_low": str(budgets[0]), "budget_high": str(budgets[-1]),
+    }
+
+
+#: The generated text of each block, by name (``{name}`` fields from :func:`values`).
+TEMPLATES = {
+    "readme-which-policy": """\
+* **continuing or summarising text**: an attention-based policy. H2O raised perplexity
+  least, by {h2o_128} at ``N = 128`` and {h2o_256} at ``N = 256`` on {texts} 1,024-token texts (no
+  eviction: {reference}), with SnapKV and TOVA close behind;
+* **finding one fact far back in a long prompt**: KeyDiff, the only policy that still
+  answered the passkey test ({keydiff_range} against {full_passkey} without eviction, ``N = 256``, 1-2K-token
+  prompts, {prompts} prompts; every other policy {others_range});
+* **a kernel that never forms the attention weights** (FlashAttention-style): KeyDiff,
+  HashEvict, MAT, L2 norm or sink;
+* **budget**: about a quarter of the prompt kept H2O, SnapKV and TOVA within {quarter_within} of the
+  perplexity without eviction, an eighth cost {eighth_range}; for retrieval, measure before you
+  evict (``refkv experiment passkey``).
+""",
+    "concepts-budget": """\
+The cache grows by one entry per token, per layer and per KV head. An *eviction policy*
+keeps it to a budget of :math:`N` tokens: whenever the cache holds more than :math:`N`, the
+policy scores the tokens and the cache keeps the :math:`N` highest (KeyDiff Eqs. 4, 5). In
+refkv the budget is per layer and per KV head; each head may keep *different* tokens, but
+every head keeps the same number. Retained tokens stay in position order. How large
+:math:`N` should be for a prompt of :math:`T` tokens, and which policy to use for what, is
+the subject of :doc:`choosing` (in short: on SmolLM2, :math:`N \\approx T/4` kept H2O,
+SnapKV and TOVA within {quarter_within} of the perplexity without eviction ({quarter_range});
+retrieving one fact needed more).
+""",
+    "choosing-figure": """\
+.. figure:: ../_static/choosing/quality_vs_budget.svg
+   :alt: Left: perplexity increase over no eviction against the budget N, one line per
+         policy with its 95% interval band, log scale. Right: passkey accuracy at N = 256
+         per policy with Wilson 95% intervals.
+   :width: 100%
+
+   Left: how much perplexity rises over no eviction ({reference}) on {texts} 1,024-token texts, at
+   budgets :math:`N` from {budget_low} to {budget_high} with blocks of :math:`B = 32`; bands are 95%
+   intervals. Right: passkey accuracy ({prompts} prompts of 1-2K tokens, :math:`N = 256`),
+   filled with block processing (:math:`B = 128`), open in one shot, with Wilson 95%
+   intervals; the dashed line is the model without eviction. The numbers are in
+   :download:`quality_vs_budget.csv <../_static/choosing/quality_vs_budget.csv>`;
+   ``python docs/choosing_figure.py`` redraws the figure from the published experiment
+   tables, and a test fails when the figure's numbers no longer match them.
+""",
+    "choosing-task": """\
+* *Continue or summarise text* (every token matters a little): an **attention-based**
+  policy. H2O raised perplexity least: by {h2o_128} at :math:`N = 128` ({h2o_128_percent} of {reference}) and {h2o_256} at
+  :math:`N = 256` ({h2o_256_percent}), with SnapKV and TOVA close behind ({snapkv_tova_128} and {snapkv_tova_256}; the
+  intervals of these three overlap). CAOTE on top of H2O made no difference that these
+  samples can resolve ({caote_128} and {caote_256}).
+* *Find one fact far back in a long prompt* (retrieval, the passkey test): **KeyDiff**.
+  It was the only policy that kept the needle often enough to answer: {keydiff_blocks} with blocks of
+  128 and {keydiff_oneshot} in one shot, against {full_passkey} without eviction. The attention-based policies
+  answered {attention_blocks_range} with block processing (TOVA {tova_oneshot} in one shot). With {prompts} prompts the
+  difference is resolved against SnapKV, not yet against TOVA and H2O (:doc:`experiments`).
+  The same KeyDiff raised perplexity far more ({keydiff_128} at :math:`N = 128`; {keydiff_reserve_128} with a recent
+  reserve of half the budget): it keeps *diverse* keys, not the recent context that
+  next-token prediction leans on.
+""",
+    "choosing-kernel": """\
+**Can your kernel give the attention weights?** A fused (FlashAttention-style) kernel
+never forms them. Then only the attention-free policies apply: KeyDiff, HashEvict, MAT,
+L2 norm and sink (the :doc:`policy table <../policies/index>` has a column for it). Among
+those, sink ({sink_256} at :math:`N = 256`) and MAT ({mat_256}) kept perplexity lowest and KeyDiff
+retrieval best; L2 norm was last on both ({knorm_256}, and no passkey answered).
+""",
+    "choosing-blocks": """\
+**How is the prompt processed?** With block processing (a long prompt read in blocks of
+:math:`B` under the budget, KeyDiff Eq. 6) every policy sees only part of the prompt when
+it evicts. The attention-based policies suffered most from it in the passkey test (TOVA
+{tova_oneshot} one-shot, {tova_blocks} with :math:`B = 128`); KeyDiff barely ({keydiff_oneshot} and {keydiff_blocks}). HashEvict and MAT
+evict before attention and need :math:`B` below :math:`N` (refkv tells you the limit).
+""",
+    "choosing-budget": """\
+**Which budget?** On these prompts, :math:`N` of about a quarter of the prompt
+(:math:`N = 256` for 1,024 tokens) kept H2O, SnapKV and TOVA within {quarter_within} of the perplexity
+without eviction ({quarter_range}), and an eighth (:math:`N = 128`) cost {eighth_range}. For retrieval a
+quarter was not enough for any policy to match no eviction (KeyDiff {keydiff_range} against {full_passkey} on
+1-2K-token prompts, so :math:`N` was an eighth to a quarter of the prompt). If an answer
+must come from one sentence of a long document, do not evict -- or measure first:
+""",
+}
+#: Where each block lives.
+PAGES = {"readme-which-policy": ROOT / "README.rst", "concepts-budget": HERE / "guide" / "concepts.rst",
+         "choosing-figure": HERE / "guide" / "choosing.rst", "choosing-task": HERE / "guide" / "choosing.rst",
+         "choosing-kernel": HERE / "guide" / "choosing.rst", "choosing-blocks": HERE / "guide" / "choosing.rst",
+         "choosing-budget": HERE / "guide" / "choosing.rst"}
+
+
+def render(numbers: dict[str, str] | None = None) -> dict[str, str]:
+    """Every block's text from the published tables."""
+    numbers = values() if numbers is None else numbers
+    return {name: template.format(**numbers) for name, template in TEMPLATES.items()}
+
+
+def update(text: str, blocks: dict[str, str]) -> tuple[str, list[str]]:
+    """``text`` with each generated block replaced; also the names of the blocks that changed.
+    A block name the text holds but :data:`TEMPLATES` does not know is an error."""
+    changed = []
+
+    def replace(match):
+        name = match["name"]
+        if name not in blocks:
+            raise ValueError(f"block {name!r} is not generated here (known: {sorted(blocks)})")
+        body = "".join(match["indent"] + line if line.strip() else line
+                       for line in blocks[name].splitlines(keepends=True))
+        if body != match["body"]:
+            changed.append(name)
+        return match["open"] + body + match["close"]
+
+    return BLOCK.sub(replace, text), changed
+
+
+def main(argv: list[str]) -> int:
+    check = "--check" in argv
+    blocks = render()
+    stale, missing = [], []
+    for page in sorted(set(PAGES.values())):
+        text = page.read_text(encoding="utf-8")
+        new, changed = update(text, blocks)
+        found = {m["name"] for m in BLOCK.finditer(text)}
+        missing += [name for name, where in PAGES.items() if where == page and name not in found]
+        stale += [f"{page.relative_to(ROOT)}: {name}" for name in changed]
+        if changed and not check:
+            atomic_write(page, new)
+    if missing:
+        print(f"blocks missing from their pages: {', '.join(missing)}")
+        return 1
+    if check and stale:
+        print("the quoted experiment numbers differ from the tables (run `python docs/experiment_numbers.py`): "
+              + "; ".join(stale))
+        return 1
+    print(("checked" if check else "updated") + f" {len(blocks)} blocks" + (f"; rewrote {len(stale)}" if stale and
+                                                                            not check else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
