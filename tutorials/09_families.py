@@ -24,7 +24,9 @@ from dataclasses import replace
 import numpy as np
 
 import refkv
-from refkv.figures import pyplot
+from refkv.explorer import explore, render_html
+from refkv.figures import default_folder, pyplot
+from refkv.files import atomic_write
 from refkv.generation import example_passage
 from refkv.model import load_with_tokenizer
 from refkv.model.gguf import ModelNotFoundError
@@ -252,6 +254,56 @@ if model is not None:
 # parts of it, in different layers and heads: the figure shows that no policy keeps a
 # token "or not", only in a share of the model's heads, and which words survive decides
 # the answer (whether a name is kept whole, or only its first piece).
+#
+# One head at a time: the explorer
+# --------------------------------
+#
+# ``refkv show`` draws this for every layer and KV head at once, and it is a library
+# call too. :func:`refkv.explorer.explore` runs the prompt under each policy with the
+# engine's trace on and records, per layer, KV head and token, whether the token is
+# kept at the end of the prefill (or which block evicted it) and the policy's score;
+# :func:`refkv.explorer.render_html` turns that into one self-contained page. Here
+# SnapKV and KeyDiff, under the same budget and in one block as above -- so the
+# explorer's kept shares must be the ones counted above -- and then the one head where
+# the two disagree most about the fact's sentences. **Predict, then run:** which keeps
+# more of the fact in that head: SnapKV, which reads the question, or KeyDiff, which
+# reads only keys?
+
+if model is not None:
+    exploration = explore(model, tokenizer, tokens, ["snapkv", "keydiff"], budget=96,
+                          max_new_tokens=10, highlights=["Agnes Ruddock", "1879"],
+                          command="refkv show --example --policy snapkv,keydiff "
+                                  "--budget 96 --block 0 --max-new-tokens 10")
+    in_span = {r.spec: r.kept[:, :, span].sum(axis=-1) for r in exploration.runs}
+    gap = np.abs(in_span["snapkv"] - in_span["keydiff"])               # (L, Hkv)
+    layer, head = np.unravel_index(np.argmax(gap), gap.shape)
+    for r in exploration.runs:
+        # The explorer's shares are the ones counted by hand from the caches above.
+        assert np.allclose(r.kept_fraction, runs[r.spec][1], rtol=0, atol=1e-12)
+        kept = r.kept[layer, head]                                      # (T,) bool
+        text = "".join(f"[{pieces[i]}]" if kept[i] else pieces[i] for i in span)
+        print(f"{r.spec:<8} layer {layer}, KV head {head} keeps {kept[span].sum():>2} "
+              f"of the 60: {text!r}"[:400])
+    page = atomic_write(default_folder() / "09_families-explorer.html",
+                        render_html(exploration))
+    print(f"explorer page (open it in a browser; click a cell for one head): {page}")
+    # What the next paragraph says, checked.
+    assert in_span["keydiff"][layer, head] > in_span["snapkv"][layer, head] == 0
+    assert runs["keydiff"][1][span].mean() > runs["snapkv"][1][span].mean()
+    assert "Agnes" in runs["snapkv"][0] and "Agnes" not in runs["keydiff"][0]
+
+# %%
+# In that head KeyDiff keeps much of the fact and SnapKV none of it, although SnapKV
+# reads the question; over all heads KeyDiff keeps more of the fact's sentences too (the
+# shares above), yet it is SnapKV that starts the name. How many of the fact's tokens
+# survive does not alone decide the answer; which heads keep them matters as well, and
+# that is what the page lets you look for.
+#
+# The page colours each token by the share of (layer, KV head) pairs keeping it, both
+# policies on the same text, the two highlighted facts marked, and a layer x head grid
+# per policy: clicking a cell shows that head's decisions and scores. It is written
+# where the figures go (:func:`refkv.figures.default_folder`), never into the source
+# tree. From a shell, the command printed on the page makes the same one.
 #
 # A budget sweep
 # --------------
