@@ -206,7 +206,7 @@ def cached_decode(model, tokens):
             K = np.concatenate([caches[layer][0], k], axis=1)  # append to the cache
             V = np.concatenate([caches[layer][1], v], axis=1)
             caches[layer] = (K, V)
-            K_h = np.repeat(K, cfg.group_size, axis=0)        # GQA: share each KV head
+            K_h = np.repeat(K, cfg.group_size, axis=0)         # GQA: share each KV head
             V_h = np.repeat(V, cfg.group_size, axis=0)
             a = softmax(q @ K_h.transpose(0, 2, 1) / np.sqrt(cfg.d_head))
             x = x + model.attn_out(layer, a @ V_h)

@@ -134,7 +134,7 @@ for name, (from_policy, by_hand) in checks.items():
 # kernel (see the end of this tutorial).
 
 last_row = attention_weights(queries[:, -1:], keys, query_positions[-1:],
-                             positions)                            # (1, 2, 1, 10)
+                             positions)  # (1, 2, 1, 10)
 last_rows = attention_weights(queries[:, -window:], keys, query_positions[-window:],
                               positions)
 print("TOVA from the last row alone == TOVA:",

@@ -90,7 +90,7 @@ rng = np.random.default_rng(5)
 e1, e2 = np.linalg.qr(rng.standard_normal((d, 2)))[0].T  # two orthonormal directions
 angles = np.linspace(0, np.pi, 19)
 pairs = np.stack([np.stack([e1, np.cos(a) * e1 + np.sin(a) * e2])
-                  for a in angles])                        # (19, 2, d)
+                  for a in angles])  # (19, 2, d)
 results = {}
 for c in (16, 64):
     R = gaussian_planes(c * trials, d, seed=c)  # trials independent R's, stacked

@@ -275,12 +275,12 @@ if model is not None:
                           command="refkv show --example --policy snapkv,keydiff "
                                   "--budget 96 --block 0 --max-new-tokens 10")
     in_span = {r.spec: r.kept[:, :, span].sum(axis=-1) for r in exploration.runs}
-    gap = np.abs(in_span["snapkv"] - in_span["keydiff"])               # (L, Hkv)
+    gap = np.abs(in_span["snapkv"] - in_span["keydiff"])  # (L, Hkv)
     layer, head = np.unravel_index(np.argmax(gap), gap.shape)
     for r in exploration.runs:
         # The explorer's shares are the ones counted by hand from the caches above.
         assert np.allclose(r.kept_fraction, runs[r.spec][1], rtol=0, atol=1e-12)
-        kept = r.kept[layer, head]                                      # (T,) bool
+        kept = r.kept[layer, head]  # (T,) bool
         text = "".join(f"[{pieces[i]}]" if kept[i] else pieces[i] for i in span)
         print(f"{r.spec:<8} layer {layer}, KV head {head} keeps {kept[span].sum():>2} "
               f"of the 60: {text!r}"[:400])
