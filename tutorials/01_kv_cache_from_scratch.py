@@ -25,8 +25,8 @@ rng = np.random.default_rng(0)
 # One attention head, no cache
 # ----------------------------
 #
-# Take :math:`T` token embeddings :math:`x_0, \dots, x_{T-1}` and one attention head with
-# projections :math:`W_q, W_k, W_v`. Causal attention (KeyDiff Eq. 2) is
+# Take :math:`T` token embeddings :math:`x_0, \dots, x_{T-1}` and one attention head
+# with projections :math:`W_q, W_k, W_v`. Causal attention (KeyDiff Eq. 2) is
 #
 # .. math::
 #
@@ -74,8 +74,8 @@ print("row 3 of A (token 3 attends to tokens 0..3 only):", np.round(A[3], 3))
 #    o_t = \operatorname{softmax}\!\left(\frac{q_t\,[K \,\|\, k_t]^\top}{\sqrt d}\right)
 #          [V \,\|\, v_t].
 #
-# No mask is needed: the cache holds only the past. **Predict, then run:** will the cached
-# outputs equal the recomputed ones exactly, to the last bit?
+# No mask is needed: the cache holds only the past. **Predict, then run:** will the
+# cached outputs equal the recomputed ones exactly, to the last bit?
 
 
 class Cache:
@@ -106,9 +106,9 @@ print("largest difference, cached vs recomputed:", error.max())
 # Why they agree
 # --------------
 #
-# Row :math:`t` of the masked softmax has zero weight on every key after :math:`t`, so it
-# is a softmax over exactly the keys :math:`k_0..k_t` -- the cache at step :math:`t`. And
-# each :math:`k_j, v_j` is a function of :math:`x_j` alone, so computing it once and
+# Row :math:`t` of the masked softmax has zero weight on every key after :math:`t`, so
+# it is a softmax over exactly the keys :math:`k_0..k_t` -- the cache at step :math:`t`.
+# And each :math:`k_j, v_j` is a function of :math:`x_j` alone, so computing it once and
 # storing it changes nothing. In a deep decoder the same holds layer by layer: causality
 # makes the input of layer :math:`\ell` at position :math:`j` depend only on tokens
 # :math:`\le j`, so it too is final once computed.
@@ -116,17 +116,19 @@ print("largest difference, cached vs recomputed:", error.max())
 # The difference printed above is not exactly zero: the cached route multiplies a
 # vector by a matrix where the full route multiplies two matrices, and floating-point
 # sums in a different order round differently. It is a few units in the last place of
-# float64, which is why refkv's tests compare with a tolerance scaled to the dtype rather
-# than with ``==``.
+# float64, which is why refkv's tests compare with a tolerance scaled to the dtype
+# rather than with ``==``.
 
 fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(9, 3.4))
 future = np.triu(np.ones((T, T), dtype=bool), k=1)
 im = ax0.imshow(np.ma.masked_where(future, A), cmap="viridis")
-ax0.set(title="causal attention weights A", xlabel="key position j", ylabel="query position t")
+ax0.set(title="causal attention weights A", xlabel="key position j",
+        ylabel="query position t")
 fig.colorbar(im, ax=ax0, fraction=0.046)
 ax1.semilogy(np.arange(T), np.maximum(error, 1e-18), "o-")
 ax1.axhline(np.finfo(np.float64).eps, color="grey", ls="--", label="float64 eps")
-ax1.set(title="|cached - recomputed|, per token", xlabel="token t", ylim=(1e-18, 1e-12), xticks=range(0, T, 2))
+ax1.set(title="|cached - recomputed|, per token", xlabel="token t", ylim=(1e-18, 1e-12),
+        xticks=range(0, T, 2))
 ax1.legend()
 fig.tight_layout()
 
@@ -148,26 +150,29 @@ passes = {"recompute": 0, "cache": 0}
 products = {"recompute": 0, "cache": 0}
 counting_cache = Cache()
 for t in range(T):
-    _, A_t = full_attention(X[:t + 1])                     # no cache: the whole prefix again
-    passes["recompute"] += len(A_t)                        # tokens through W_q, W_k, W_v
-    products["recompute"] += np.count_nonzero(np.tri(len(A_t)))   # unmasked entries of A_t
-    decode_step(counting_cache, X[t])                      # cache: one token
+    _, A_t = full_attention(X[:t + 1])              # no cache: the whole prefix again
+    passes["recompute"] += len(A_t)                 # tokens through W_q, W_k, W_v
+    products["recompute"] += np.count_nonzero(np.tri(len(A_t)))  # unmasked A_t entries
+    decode_step(counting_cache, X[t])               # cache: one token
     passes["cache"] += 1
-    products["cache"] += len(counting_cache.K)             # q_t against every cached key
+    products["cache"] += len(counting_cache.K)      # q_t against every cached key
 assert passes["recompute"] == products["cache"] == T * (T + 1) // 2
 assert products["recompute"] == T * (T + 1) * (T + 2) // 6
 print(f"T = {T}: token passes {passes['recompute']} vs {passes['cache']}, "
-      f"query-key products {products['recompute']} vs {products['cache']} (recompute vs cache)")
+      f"query-key products {products['recompute']} vs {products['cache']} "
+      "(recompute vs cache)")
 
 for T_long in (1_000, 10_000, 100_000):
-    print(f"T = {T_long:>7,}: token passes {T_long * (T_long + 1) // 2:>14,} vs {T_long:>7,}, "
-          f"products {T_long * (T_long + 1) * (T_long + 2) // 6:>22,} vs {T_long * (T_long + 1) // 2:>14,}")
+    print(f"T = {T_long:>7,}: token passes {T_long * (T_long + 1) // 2:>14,} "
+          f"vs {T_long:>7,}, "
+          f"products {T_long * (T_long + 1) * (T_long + 2) // 6:>22,} "
+          f"vs {T_long * (T_long + 1) // 2:>14,}")
 
 # %%
 # The price is memory: the cache grows by one key and one value per token, per layer and
 # per KV head -- for a real model tens to hundreds of KiB per token (tutorial 0 does the
-# arithmetic). That growth is what eviction policies, the subject of the other tutorials,
-# keep under a budget.
+# arithmetic). That growth is what eviction policies, the subject of the other
+# tutorials, keep under a budget.
 #
 # %%
 # A whole decoder, cached by hand, checked against refkv
@@ -190,17 +195,18 @@ tokens = rng.integers(0, cfg.vocab_size, size=40)
 
 
 def cached_decode(model, tokens):
-    caches = [(np.zeros((cfg.n_kv_heads, 0, cfg.d_head)),) * 2 for _ in range(cfg.n_layers)]
+    caches = [(np.zeros((cfg.n_kv_heads, 0, cfg.d_head)),) * 2
+              for _ in range(cfg.n_layers)]
     logits = []
     for position, token in enumerate(tokens):
         rope = model.rope(np.array([position]))
-        x = model.embed(np.array([token]))                       # (1, d_model)
+        x = model.embed(np.array([token]))                     # (1, d_model)
         for layer in range(cfg.n_layers):
-            q, k, v = model.qkv(layer, x, rope)                  # (H, 1, d), (Hkv, 1, d)
-            K = np.concatenate([caches[layer][0], k], axis=1)    # append to this layer's cache
+            q, k, v = model.qkv(layer, x, rope)                # (H, 1, d), (Hkv, 1, d)
+            K = np.concatenate([caches[layer][0], k], axis=1)  # append to the cache
             V = np.concatenate([caches[layer][1], v], axis=1)
             caches[layer] = (K, V)
-            K_h = np.repeat(K, cfg.group_size, axis=0)           # GQA: share each KV head
+            K_h = np.repeat(K, cfg.group_size, axis=0)         # GQA: share each KV head
             V_h = np.repeat(V, cfg.group_size, axis=0)
             a = softmax(q @ K_h.transpose(0, 2, 1) / np.sqrt(cfg.d_head))
             x = x + model.attn_out(layer, a @ V_h)
@@ -215,8 +221,10 @@ engine = refkv.Engine(model, "full")
 refkv_cached = engine.prefill(tokens, block_size=1, all_logits=True)
 
 scale = np.abs(recomputed).max()
-print(f"ours vs forward_full:   {np.abs(ours - recomputed).max() / scale:.1e} (relative)")
-print(f"ours vs refkv's engine: {np.abs(ours - refkv_cached).max() / scale:.1e} (relative)")
+print(f"ours vs forward_full:   "
+      f"{np.abs(ours - recomputed).max() / scale:.1e} (relative)")
+print(f"ours vs refkv's engine: "
+      f"{np.abs(ours - refkv_cached).max() / scale:.1e} (relative)")
 print("same greedy next token at every position:",
       bool((ours.argmax(-1) == recomputed.argmax(-1)).all()))
 print("refkv's layer-0 cache holds", len(engine.caches[0]), "tokens, keys of shape",
@@ -224,8 +232,9 @@ print("refkv's layer-0 cache holds", len(engine.caches[0]), "tokens, keys of sha
 
 # %%
 # All three agree to rounding. The last line shows refkv's cache layout: keys of shape
-# ``(n_kv_heads, n, d_head)`` per layer, exactly the ``K`` we built by hand. From here on
-# the cache will not be allowed to hold every token: tutorial 2 puts it under a budget.
+# ``(n_kv_heads, n, d_head)`` per layer, exactly the ``K`` we built by hand. From here
+# on the cache will not be allowed to hold every token: tutorial 2 puts it under a
+# budget.
 
 # %%
 # Exercises
@@ -237,8 +246,8 @@ print("refkv's layer-0 cache holds", len(engine.caches[0]), "tokens, keys of sha
 # 2. The cache is exact *because attention is causal*. Drop the mask from
 #    ``full_attention`` (every token sees every other) and compare with the cached
 #    outputs again: which rows still agree?
-# 3. Check that refkv's engine, reading the 40 tokens in blocks of 7, gives the same logits
-#    as ``forward_full``.
+# 3. Check that refkv's engine, reading the 40 tokens in blocks of 7, gives the same
+#    logits as ``forward_full``.
 #
 # Solutions
 # ---------
@@ -253,7 +262,8 @@ assert without == 1000 + 100 * 1001 + 100 * 99 // 2
 
 
 # 2. Without the mask, output t mixes the values of tokens after t, which the cache at
-#    step t has not seen yet: only the last row, which sees everything either way, agrees.
+#    step t has not seen yet: only the last row, which sees everything either way,
+#    agrees.
 def bidirectional(X):
     Q, K, V = X @ W_q, X @ W_k, X @ W_v
     return softmax(Q @ K.T / np.sqrt(d)) @ V
@@ -265,15 +275,16 @@ assert np.flatnonzero(rows_agree).tolist() == [T - 1]
 
 # 3. Any block size gives the same logits as recomputation when nothing is evicted.
 blocked = refkv.Engine(model, "full").prefill(tokens, block_size=7)
-print(f"exercise 3: blocks of 7 vs forward_full: {np.abs(blocked - recomputed[-1]).max() / scale:.1e}")
+print("exercise 3: blocks of 7 vs forward_full: "
+      f"{np.abs(blocked - recomputed[-1]).max() / scale:.1e}")
 assert np.allclose(blocked, recomputed[-1], rtol=0, atol=1e-12 * scale)
 
 # %%
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as
-# ``python tutorials/01_kv_cache_from_scratch.py``, the script saves them as PNG files in
-# ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
+# ``python tutorials/01_kv_cache_from_scratch.py``, the script saves them as PNG files
+# in ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
 # environment variable), never in the source tree, and prints each path;
 # :func:`refkv.figures.save_figures` does it.
 

@@ -30,19 +30,20 @@ print(model, "| prompt of", T, "tokens")
 # The loop (KeyDiff Eq. 6)
 # ------------------------
 #
-# Cut the prompt into blocks :math:`X_0, X_1, \dots` of :math:`B` tokens. For each block,
-# *inside every layer*:
+# Cut the prompt into blocks :math:`X_0, X_1, \dots` of :math:`B` tokens. For each
+# block, *inside every layer*:
 #
 # .. math::
 #
-#    C_i \leftarrow \big([K_{i-1} \,\|\, k_{\text{block}}],\ [V_{i-1} \,\|\, v_{\text{block}}]\big),
+#    C_i \leftarrow \big([K_{i-1} \,\|\, k_{\text{block}}],\
+#    [V_{i-1} \,\|\, v_{\text{block}}]\big),
 #    \qquad C_i' \leftarrow \pi_N(C_i),
 #
-# where :math:`\pi_N` is the eviction policy keeping :math:`N` tokens. In refkv the order
-# within one layer is: project the block to :math:`q, k, v`; append :math:`k, v` to the
-# cache; let the block's queries attend over cache and block; let the policy observe
-# what it needs; evict down to :math:`N`. The layer's output, computed *before* the
-# eviction, goes on to the next layer, which evicts its own cache in turn (KeyDiff
+# where :math:`\pi_N` is the eviction policy keeping :math:`N` tokens. In refkv the
+# order within one layer is: project the block to :math:`q, k, v`; append :math:`k, v`
+# to the cache; let the block's queries attend over cache and block; let the policy
+# observe what it needs; evict down to :math:`N`. The layer's output, computed *before*
+# the eviction, goes on to the next layer, which evicts its own cache in turn (KeyDiff
 # Fig. 1). So a block attends to at most :math:`N + B` keys, and the next block sees the
 # evicted cache.
 #
@@ -68,7 +69,7 @@ def keydiff_score(keys, positions):
 
 
 def block_prefill(model, tokens, N, B, score=keydiff_score):
-    """KeyDiff Eq. 6 by hand: the last logits and each layer's kept positions (Hkv, N)."""
+    """KeyDiff Eq. 6 by hand: last logits, kept positions (Hkv, N) per layer."""
     cfg = model.config
     g = cfg.n_heads // cfg.n_kv_heads                         # query heads per KV head
     empty = np.zeros((cfg.n_kv_heads, 0, cfg.d_head), dtype=model.dtype)
@@ -79,18 +80,22 @@ def block_prefill(model, tokens, N, B, score=keydiff_score):
         pos = np.arange(start, start + len(block))
         rope, x = model.rope(pos), model.embed(block)
         for l in range(cfg.n_layers):
-            q, k, v = model.qkv(l, x, rope)                   # (H, B, d), (Hkv, B, d), (Hkv, B, d)
+            # (H, B, d), (Hkv, B, d), (Hkv, B, d)
+            q, k, v = model.qkv(l, x, rope)
             K[l] = np.concatenate([K[l], k], axis=1)          # 1. append
             V[l] = np.concatenate([V[l], v], axis=1)
-            P[l] = np.concatenate([P[l], np.broadcast_to(pos, (cfg.n_kv_heads, len(pos)))], axis=1)
-            logits = q @ np.repeat(K[l], g, axis=0).transpose(0, 2, 1) / np.sqrt(cfg.d_head)
+            P[l] = np.concatenate(
+                [P[l], np.broadcast_to(pos, (cfg.n_kv_heads, len(pos)))], axis=1)
+            logits = (q @ np.repeat(K[l], g, axis=0).transpose(0, 2, 1)
+                      / np.sqrt(cfg.d_head))
             future = np.repeat(P[l], g, axis=0)[:, None, :] > pos[None, :, None]
-            attention = softmax(np.where(future, -np.inf, logits))   # 2. attend: (H, B, n)
+            # 2. attend: (H, B, n)
+            attention = softmax(np.where(future, -np.inf, logits))
             x = x + model.attn_out(l, attention @ np.repeat(V[l], g, axis=0))
             x = x + model.mlp(l, x)
             if K[l].shape[1] > N:
                 scores = score(K[l], P[l])                    # 3. score: (Hkv, n)
-                keep = select(scores, P[l], N)                # 4. keep the top N per head
+                keep = select(scores, P[l], N)                # 4. keep top N per head
                 K[l] = np.take_along_axis(K[l], keep[..., None], axis=1)
                 V[l] = np.take_along_axis(V[l], keep[..., None], axis=1)
                 P[l] = np.take_along_axis(P[l], keep, axis=1)
@@ -101,10 +106,13 @@ N, B = 64, 32
 by_hand, kept_by_hand = block_prefill(model, tokens, N, B)
 engine = refkv.Engine(model, "keydiff", budget=N)
 logits = engine.prefill(tokens, block_size=B)
-same_kept = all(np.array_equal(kept_by_hand[l], engine.caches[l].positions) for l in range(model.config.n_layers))
+same_kept = all(np.array_equal(kept_by_hand[l], engine.caches[l].positions)
+                for l in range(model.config.n_layers))
 print("same kept positions in every layer and head:", same_kept)
-print(f"last logits, by hand vs Engine: {np.abs(by_hand - logits).max() / np.abs(logits).max():.1e} (relative)")
-assert same_kept and np.allclose(by_hand, logits, rtol=0, atol=1e-9 * np.abs(logits).max())
+print("last logits, by hand vs Engine: "
+      f"{np.abs(by_hand - logits).max() / np.abs(logits).max():.1e} (relative)")
+assert same_kept and np.allclose(by_hand, logits, rtol=0,
+                                 atol=1e-9 * np.abs(logits).max())
 
 # %%
 # Twenty lines, the same decisions as the engine's and the same logits to rounding. The
@@ -115,23 +123,25 @@ assert same_kept and np.allclose(by_hand, logits, rtol=0, atol=1e-9 * np.abs(log
 # Blocks bound the cache
 # ----------------------
 #
-# The engine records the largest cache it ever held. One-shot prefill (``block_size=None``,
-# i.e. :math:`B = T`, the setting of most eviction papers) peaks at the whole prompt.
-# **Predict, then run:** what is the peak with blocks of :math:`B` under :math:`N = 64`,
-# and how many evictions does a 384-token prompt in blocks of 32 make in 4 layers?
+# The engine records the largest cache it ever held. One-shot prefill
+# (``block_size=None``, i.e. :math:`B = T`, the setting of most eviction papers) peaks
+# at the whole prompt. **Predict, then run:** what is the peak with blocks of :math:`B`
+# under :math:`N = 64`, and how many evictions does a 384-token prompt in blocks of 32
+# make in 4 layers?
 
 print(f"{'B':>6} {'peak cache':>11} {'evictions':>10} {'KV bytes after':>15}")
 for B in (None, 128, 32, 8):
     engine = refkv.Engine(model, "keydiff", budget=N)
     engine.prefill(tokens, block_size=B)
     cache_bytes = sum(c.keys.nbytes + c.values.nbytes for c in engine.caches)
-    print(f"{B or T:>6} {engine.stats.peak_cache_tokens:>11} {engine.stats.evictions:>10} {cache_bytes:>15,}")
+    print(f"{B or T:>6} {engine.stats.peak_cache_tokens:>11} "
+          f"{engine.stats.evictions:>10} {cache_bytes:>15,}")
 
 # %%
 # The peak is :math:`T = 384` for one-shot prefill and exactly :math:`N + B` otherwise;
 # after the prompt every layer holds :math:`N = 64` tokens per KV head. The number of
-# evictions is (blocks that overflowed) :math:`\times` (layers): smaller blocks mean more,
-# cheaper, eviction calls.
+# evictions is (blocks that overflowed) :math:`\times` (layers): smaller blocks mean
+# more, cheaper, eviction calls.
 #
 # Watching the cache
 # ------------------
@@ -165,8 +175,8 @@ fig.tight_layout()
 # ------------------------
 #
 # Without eviction, block processing is just a KV cache: every block size must give the
-# logits of a plain forward pass (KeyDiff Sec. 2.4: :math:`B = T` is processing the prompt
-# at once, :math:`B = 1` is token generation). Here is the check against
+# logits of a plain forward pass (KeyDiff Sec. 2.4: :math:`B = T` is processing the
+# prompt at once, :math:`B = 1` is token generation). Here is the check against
 # :meth:`refkv.model.Model.forward_full`, which recomputes everything without a cache.
 
 short = tokens[:96]
@@ -177,8 +187,8 @@ for B in (1, 7, 32, None):
           f"{np.abs(logits - reference).max() / np.abs(reference).max():.1e}")
 
 # %%
-# Differences are rounding only (a few :math:`10^{-16}`). refkv's test suite checks this for
-# every block size and for budgets :math:`N \ge T` with every policy.
+# Differences are rounding only (a few :math:`10^{-16}`). refkv's test suite checks this
+# for every block size and for budgets :math:`N \ge T` with every policy.
 #
 # Under a budget, the block size is part of the answer
 # ----------------------------------------------------
@@ -203,7 +213,8 @@ print(f"{'B':>6} {'overlap with B=T':>17} {'logit error':>12}")
 for B in (None, 128, 32, 8, 1):
     engine = refkv.Engine(model, "keydiff", budget=N)
     logits = engine.prefill(tokens, block_size=B)
-    overlap = np.mean([len(a & b) / N for a, b in zip(kept_sets(engine), kept_sets(one_shot))])
+    overlap = np.mean([len(a & b) / N
+                       for a, b in zip(kept_sets(engine), kept_sets(one_shot))])
     error = np.linalg.norm(logits - full_logits) / np.linalg.norm(full_logits)
     print(f"{B or T:>6} {overlap:>17.2f} {error:>12.3f}")
 
@@ -220,10 +231,10 @@ for B in (None, 128, 32, 8, 1):
 # Evicting before attention
 # -------------------------
 #
-# Most policies read what the attention just computed, so they evict *after* it. A policy
-# can instead set ``evict_before_attention``: the engine then shrinks the cache to
-# :math:`N - B` *before* appending the block, so the block attends to at most :math:`N`
-# keys. HashEvict's Algorithm 1 works this way (tutorial 5).
+# Most policies read what the attention just computed, so they evict *after* it. A
+# policy can instead set ``evict_before_attention``: the engine then shrinks the cache
+# to :math:`N - B` *before* appending the block, so the block attends to at most
+# :math:`N` keys. HashEvict's Algorithm 1 works this way (tutorial 5).
 
 engine = refkv.Engine(model, "hashevict", budget=N)
 engine.prefill(tokens, block_size=16)
@@ -251,8 +262,8 @@ print("exercise 1: peak", engine.stats.peak_cache_tokens)
 assert engine.stats.peak_cache_tokens == 150
 
 
-# 2. Recency keeps the last N tokens: a sliding window, StreamingLLM without sinks (``sink``
-#    with ``sink=0``; tutorial 0).
+# 2. Recency keeps the last N tokens: a sliding window, StreamingLLM without sinks
+#    (``sink`` with ``sink=0``; tutorial 0).
 def recency(keys, positions):
     return positions.astype(np.float64)
 
@@ -260,11 +271,14 @@ def recency(keys, positions):
 _, kept_window = block_prefill(model, tokens, 64, 32, score=recency)
 engine = refkv.Engine(model, refkv.policies.get("sink", sink=0), budget=64)
 engine.prefill(tokens, block_size=32)
-same = all(np.array_equal(kept_window[l], engine.caches[l].positions) for l in range(model.config.n_layers))
-print("exercise 2: recency == sink(sink=0):", same, "| kept", kept_window[0][0, [0, -1]])
+same = all(np.array_equal(kept_window[l], engine.caches[l].positions)
+           for l in range(model.config.n_layers))
+print("exercise 2: recency == sink(sink=0):", same,
+      "| kept", kept_window[0][0, [0, -1]])
 assert same and kept_window[0][0].tolist() == list(range(T - 64, T))
 
-# 3. 12 blocks; the first two fit (32, 64 <= N), the other 10 overflow in each of 4 layers.
+# 3. 12 blocks; the first two fit (32, 64 <= N), the other 10 overflow in each of 4
+#    layers.
 engine = refkv.Engine(model, "keydiff", budget=64)
 engine.prefill(tokens, block_size=32)
 print("exercise 3:", engine.stats.evictions, "evictions")
@@ -274,8 +288,8 @@ assert engine.stats.evictions == (T // 32 - 2) * model.config.n_layers == 40
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as
-# ``python tutorials/02_block_prompt_processing.py``, the script saves them as PNG files in
-# ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
+# ``python tutorials/02_block_prompt_processing.py``, the script saves them as PNG files
+# in ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
 # environment variable), never in the source tree, and prints each path;
 # :func:`refkv.figures.save_figures` does it.
 

@@ -21,9 +21,9 @@ and the three classic choices of :math:`\\phi` are
 
 TOVA (Oren et al., 2024) reads the last query's row; H2O (Zhang et al., 2023) sums the
 column of every query that ever saw the token; SnapKV (Li et al., 2024) sums the last
-:math:`w` queries' rows and smooths the result with an averaging kernel :math:`K` of width
-:math:`k`. This tutorial computes the three on a small attention matrix by hand, checks
-refkv's policies against that, and then runs them in a model.
+:math:`w` queries' rows and smooths the result with an averaging kernel :math:`K` of
+width :math:`k`. This tutorial computes the three on a small attention matrix by hand,
+checks refkv's policies against that, and then runs them in a model.
 """
 
 import numpy as np
@@ -64,11 +64,11 @@ print("A:", A.shape, "| each row sums to", np.round(A.sum(-1).ravel(), 12)[:3], 
 # App. B.2); :meth:`refkv.policies.View.attention_by_kv_head` does it. Then the three
 # aggregations, with refkv's functions:
 
-A_bar = A.mean(axis=1)[0]                                  # (B, n): group average, one KV head
-tova = last_query_attention(A_bar)                         # last row
-h2o = accumulated_attention(A_bar)                         # column sums A^T 1
-window = 3                                                 # SnapKV's w (32 by default)
-snap_sum = window_attention(A_bar, window)                 # last w rows, summed
+A_bar = A.mean(axis=1)[0]                   # (B, n): group average, one KV head
+tova = last_query_attention(A_bar)          # last row
+h2o = accumulated_attention(A_bar)          # column sums A^T 1
+window = 3                                  # SnapKV's w (32 by default)
+snap_sum = window_attention(A_bar, window)  # last w rows, summed
 snapkv = snap_sum.copy()
 snapkv[:-window] = pool1d(snap_sum[:-window], kernel=3)    # pooled outside the window
 
@@ -78,10 +78,10 @@ for name, s in (("TOVA", tova), ("H2O", h2o), ("SnapKV", snapkv)):
 
 # %%
 # Read the rows. TOVA's is one probability distribution: the last query's view. H2O's
-# column sums favour *old* tokens: positions 0-4 were seen by all six queries, position 9
-# only by the last one, which is why H2O protects a window of recent tokens (by default
-# :math:`N/2`). SnapKV's pooling spreads each token's score to its neighbours, keeping
-# small neighbourhoods of important tokens together; its zero padding (PyTorch's
+# column sums favour *old* tokens: positions 0-4 were seen by all six queries, position
+# 9 only by the last one, which is why H2O protects a window of recent tokens (by
+# default :math:`N/2`). SnapKV's pooling spreads each token's score to its neighbours,
+# keeping small neighbourhoods of important tokens together; its zero padding (PyTorch's
 # ``avg_pool1d`` rule, see :func:`refkv.policies.snapkv.pool1d`) also damps the first
 # position, which the last queries liked but SnapKV will drop.
 #
@@ -92,9 +92,11 @@ for name, s in (("TOVA", tova), ("H2O", h2o), ("SnapKV", snapkv)):
 N = 5
 pos = positions[0]
 print("TOVA   keeps", pos[select(tova[None], positions, N)[0]])
-print("H2O    keeps", pos[select(h2o[None], positions, N, protected=positions >= n - N // 2)[0]],
+print("H2O    keeps",
+      pos[select(h2o[None], positions, N, protected=positions >= n - N // 2)[0]],
       f"(last {N // 2} protected)")
-print("SnapKV keeps", pos[select(snapkv[None], positions, N, protected=positions >= n - window)[0]],
+print("SnapKV keeps",
+      pos[select(snapkv[None], positions, N, protected=positions >= n - window)[0]],
       f"(last {window} protected)")
 
 # %%
@@ -104,9 +106,9 @@ print("SnapKV keeps", pos[select(snapkv[None], positions, N, protected=positions
 # A policy sees a :class:`refkv.policies.View`, the engine's picture of one layer at
 # eviction time. Building one by hand shows that the policy classes compute exactly the
 # formulas above. H2O is stateful: ``observe`` adds this block's column sums to an
-# accumulator stored in the cache next to each token (a *field*), and ``score`` reads it;
-# :func:`refkv.recording.observed` does that step as the engine would, starting from an
-# empty accumulator.
+# accumulator stored in the cache next to each token (a *field*), and ``score`` reads
+# it; :func:`refkv.recording.observed` does that step as the engine would, starting from
+# an empty accumulator.
 
 view = View(layer=0, n_layers=1, keys=keys, values=values, positions=positions,
             fields={}, queries=queries, query_positions=query_positions,
@@ -116,10 +118,12 @@ view_after = observed(h2o_policy, view)
 checks = {
     "tova": (refkv.policies.get("tova").score(view)[0], tova),
     "h2o": (h2o_policy.score(view_after)[0], h2o),
-    "snapkv": (refkv.policies.get("snapkv", window=window, kernel=3).score(view)[0], snapkv),
+    "snapkv": (refkv.policies.get("snapkv", window=window, kernel=3).score(view)[0],
+               snapkv),
 }
 for name, (from_policy, by_hand) in checks.items():
-    print(f"{name:<7} policy == by hand: {np.allclose(from_policy, by_hand, rtol=0, atol=1e-15)}")
+    print(f"{name:<7} policy == by hand: "
+          f"{np.allclose(from_policy, by_hand, rtol=0, atol=1e-15)}")
 
 # %%
 # Which rows does each score need? TOVA reads one row of :math:`A`, SnapKV :math:`w`
@@ -129,11 +133,15 @@ for name, (from_policy, by_hand) in checks.items():
 # SnapKV score -- which is what lets a backend pair these two with a fused attention
 # kernel (see the end of this tutorial).
 
-last_row = attention_weights(queries[:, -1:], keys, query_positions[-1:], positions)    # (1, 2, 1, 10)
-last_rows = attention_weights(queries[:, -window:], keys, query_positions[-window:], positions)
-print("TOVA from the last row alone == TOVA:", np.allclose(last_row.mean(axis=1)[0, -1], tova, atol=1e-15))
+last_row = attention_weights(queries[:, -1:], keys, query_positions[-1:],
+                             positions)  # (1, 2, 1, 10)
+last_rows = attention_weights(queries[:, -window:], keys, query_positions[-window:],
+                              positions)
+print("TOVA from the last row alone == TOVA:",
+      np.allclose(last_row.mean(axis=1)[0, -1], tova, atol=1e-15))
 print("SnapKV's sum from the last w rows alone == SnapKV's sum:",
-      np.allclose(window_attention(last_rows.mean(axis=1)[0], window), snap_sum, atol=1e-15))
+      np.allclose(window_attention(last_rows.mean(axis=1)[0], window), snap_sum,
+                  atol=1e-15))
 
 # %%
 # A picture of the matrix and the three scores:
@@ -141,9 +149,11 @@ print("SnapKV's sum from the last w rows alone == SnapKV's sum:",
 fig, axes = plt.subplots(2, 1, figsize=(6.5, 5.6), height_ratios=(1.1, 1), sharex=True)
 axes[0].imshow(np.ma.masked_equal(A_bar, 0.0), cmap="magma_r", aspect="auto",
                extent=(-0.5, n - 0.5, n - 0.5, n - B - 0.5))
-axes[0].set(ylabel="query position", title="attention of the block's queries (group mean; dark = high)")
+axes[0].set(ylabel="query position",
+            title="attention of the block's queries (group mean; dark = high)")
 width = 0.27
-for i, (name, s) in enumerate((("TOVA", tova), ("H2O / B", h2o / B), ("SnapKV / w", snapkv / window))):
+for i, (name, s) in enumerate((("TOVA", tova), ("H2O / B", h2o / B),
+                               ("SnapKV / w", snapkv / window))):
     axes[1].bar(np.arange(n) + (i - 1) * width, s, width, label=name)
 axes[1].set(xlabel="key position", ylabel="score (scaled)", xticks=range(n))
 axes[1].legend()
@@ -168,17 +178,19 @@ for name in ("tova", "h2o", "snapkv", "keydiff"):
     engine.prefill(tokens, block_size=B)
     engines[name] = engine
     s = engine.stats
-    print(f"{name:<8} attention matrix formed in {s.attention_materialised:>2} of {s.attention_calls} layer calls")
+    print(f"{name:<8} attention matrix formed in {s.attention_materialised:>2} "
+          f"of {s.attention_calls} layer calls")
 
 # %%
 # Where do the kept tokens lie? **Predict, then run:** sketch, for each policy, where
 # along the 384 positions you expect its 64 kept tokens. Then the histogram of the kept
-# positions over all layers and KV heads. To read it we need a baseline: a policy that scores every token at random,
-# knowing nothing about it, run through the same blocks and budget.
+# positions over all layers and KV heads. To read it we need a baseline: a policy that
+# scores every token at random, knowing nothing about it, run through the same blocks
+# and budget.
 
 
 class RandomScores(Policy):
-    """Scores drawn uniformly at random at every eviction: a policy that knows nothing."""
+    """Scores drawn uniformly at random at every eviction: a policy knowing nothing."""
 
     def __init__(self, seed):
         self.rng = np.random.default_rng(seed)
@@ -189,12 +201,14 @@ class RandomScores(Policy):
 
 engines["random"] = refkv.Engine(model, RandomScores(seed=0), budget=N)
 engines["random"].prefill(tokens, block_size=B)
-kept = {name: np.concatenate([c.positions.ravel() for c in engine.caches]) for name, engine in engines.items()}
+kept = {name: np.concatenate([c.positions.ravel() for c in engine.caches])
+        for name, engine in engines.items()}
 
 fig, ax = plt.subplots(figsize=(7, 3))
 bins = np.arange(0, 385, 16)
 for name in ("tova", "h2o", "snapkv", "random"):
-    ax.hist(kept[name], bins=bins, histtype="step", lw=1.8, label=name, ls="--" if name == "random" else "-")
+    ax.hist(kept[name], bins=bins, histtype="step", lw=1.8, label=name,
+            ls="--" if name == "random" else "-")
 ax.set(xlabel="position of a kept token", ylabel="count (all layers, heads)")
 ax.legend()
 fig.tight_layout()
@@ -223,9 +237,11 @@ for name in ("tova", "random", "h2o", "snapkv"):
 # layer and KV head, against :math:`32/384` for uniform attention.
 
 recorder = Recorder("full", needs=("attention",))
-refkv.Engine(model, recorder).prefill(tokens)                       # one block, no budget
-near = np.array([v.attention_by_kv_head()[:, -1, -32:].sum(axis=-1) for v in recorder.views()])
-print(f"last query's weight on its 32 nearest keys: {near.min():.3f} .. {near.max():.3f} "
+refkv.Engine(model, recorder).prefill(tokens)  # one block, no budget
+near = np.array([v.attention_by_kv_head()[:, -1, -32:].sum(axis=-1)
+                 for v in recorder.views()])
+print("last query's weight on its 32 nearest keys: "
+      f"{near.min():.3f} .. {near.max():.3f} "
       f"(uniform: {32 / 384:.3f})")
 recent_share = {name: np.mean(kept[name] >= 384 - 128) for name in ("tova", "random")}
 print("share of kept tokens among the last 128 positions:",
@@ -279,20 +295,22 @@ assert h2o_unprotected.tolist() == [0, 1, 2, 3, 4]
 
 # 2. A kernel of 1 averages each score with nothing: the plain sum of the last w rows.
 snap_k1 = refkv.policies.get("snapkv", window=window, kernel=1).score(view)[0]
-print("exercise 2: SnapKV with k = 1 == sum of the last w rows:", np.allclose(snap_k1, snap_sum, atol=1e-15))
+print("exercise 2: SnapKV with k = 1 == sum of the last w rows:",
+      np.allclose(snap_k1, snap_sum, atol=1e-15))
 assert np.allclose(snap_k1, snap_sum, rtol=0, atol=1e-15)
 
 # 3. A window of one query and no pooling: the last row, TOVA's score.
 snap_as_tova = refkv.policies.get("snapkv", window=1, kernel=1).score(view)[0]
-print("exercise 3: SnapKV(w = 1, k = 1) == TOVA:", np.allclose(snap_as_tova, tova, atol=1e-15))
+print("exercise 3: SnapKV(w = 1, k = 1) == TOVA:",
+      np.allclose(snap_as_tova, tova, atol=1e-15))
 assert np.allclose(snap_as_tova, tova, rtol=0, atol=1e-15)
 
 # %%
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as
-# ``python tutorials/03_attention_based_eviction.py``, the script saves them as PNG files in
-# ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
+# ``python tutorials/03_attention_based_eviction.py``, the script saves them as PNG
+# files in ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
 # environment variable), never in the source tree, and prints each path;
 # :func:`refkv.figures.save_figures` does it.
 

