@@ -119,7 +119,9 @@ TEMPLATES = {
   answered the passkey test ({keydiff_range} against {full_passkey} without eviction, ``N = 256``, 1-2K-token
   prompts, {prompts} prompts; every other policy {others_range});
 * **a kernel that never forms the attention weights** (FlashAttention-style): KeyDiff,
-  HashEvict, MAT, L2 norm or sink;
+  HashEvict, MAT, L2 norm, ExpectedAttention or sink need none; TOVA and SnapKV read only
+  the last 1 or ``w`` rows, which a backend recomputes beside the fused kernel; only H2O and
+  Scissorhands (and CAOTE over them), which accumulate every query's attention, conflict;
 * **budget**: about a quarter of the prompt kept H2O, SnapKV and TOVA within {quarter_within} of the
   perplexity without eviction, an eighth cost {eighth_range}; for retrieval, measure before you
   evict (``refkv experiment passkey``).
@@ -138,12 +140,12 @@ retrieving one fact needed more).
     "choosing-figure": """\
 .. figure:: ../_static/choosing/quality_vs_budget.svg
    :alt: Left: perplexity increase over no eviction against the budget N, one line per
-         policy with its 95% interval band, log scale. Right: passkey accuracy at N = 256
+         policy with its 95% interval as a bar (shifted sideways a little per policy), log scale. Right: passkey accuracy at N = 256
          per policy with Wilson 95% intervals.
    :width: 100%
 
    Left: how much perplexity rises over no eviction ({reference}) on {texts} 1,024-token texts, at
-   budgets :math:`N` from {budget_low} to {budget_high} with blocks of :math:`B = 32`; bands are 95%
+   budgets :math:`N` from {budget_low} to {budget_high} with blocks of :math:`B = 32`; bars are 95%
    intervals. Right: passkey accuracy ({prompts} prompts of 1-2K tokens, :math:`N = 256`),
    filled with block processing (:math:`B = 128`), open in one shot, with Wilson 95%
    intervals; the dashed line is the model without eviction. The numbers are in
@@ -168,10 +170,26 @@ retrieving one fact needed more).
 """,
     "choosing-kernel": """\
 **Can your kernel give the attention weights?** A fused (FlashAttention-style) kernel
-never forms them. Then only the attention-free policies apply: KeyDiff, HashEvict, MAT,
-L2 norm and sink (the :doc:`policy table <../policies/index>` has a column for it). Among
-those, sink ({sink_256} at :math:`N = 256`) and MAT ({mat_256}) kept perplexity lowest and KeyDiff
-retrieval best; L2 norm was last on both ({knorm_256}, and no passkey answered).
+never forms them. How much that matters depends on how much of the matrix a policy reads
+(the :doc:`policy table <../policies/index>` has a column for what each needs):
+
+* KeyDiff, HashEvict, MAT, L2 norm, ExpectedAttention and sink read no attention weights
+  at all. Among those, sink ({sink_256} at :math:`N = 256`) and MAT ({mat_256}) kept perplexity
+  lowest and KeyDiff retrieval best; L2 norm was last on both ({knorm_256}, and no passkey
+  answered).
+* TOVA reads one row of the matrix (the last query's) and SnapKV :math:`w` rows (its
+  window's queries). A backend keeps the fused kernel for the attention output and
+  recomputes those rows beside it, at :math:`O(w\\,n)` extra work; kvpress's
+  ``SnapKVPress`` recomputes its window's queries this way. Tutorial 3 checks that the
+  recomputed rows give the same scores.
+* H2O and Scissorhands (and CAOTE over them) accumulate the attention *every* query gives
+  every token, so they need the whole matrix at every step: these are the policies that
+  really conflict with fused kernels.
+
+:ref:`Tutorial 9 <sphx_glr_tutorials_09_families.py>` maps every family on these
+questions -- needs attention weights or not, evicts before or after attention, works with
+a fused kernel (with the row-recompute option), uses the question or not -- and runs five
+of them on a real passage.
 """,
     "choosing-blocks": """\
 **How is the prompt processed?** With block processing (a long prompt read in blocks of

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refkv import policies
+from refkv.cache import EMPTY
 from refkv.oracle.suite import library_policies
 from refkv.testing import strategies as kvst
 
@@ -110,13 +111,23 @@ def test_views_are_decidable_and_consistent(name):
         hkv, n, d = view.keys.shape
         b = len(view.query_positions)
         assert view.values.shape == (hkv, n, d) and view.positions.shape == (hkv, n)
-        assert (np.diff(view.positions, axis=1) > 0).all()
+        # An uneven cache (AdaKV, PyramidKV's AdaKV form) pads a head's row with empty slots
+        # after its real tokens; the real positions increase strictly.
+        real = view.positions != EMPTY
+        assert (np.diff(real.astype(int), axis=1) <= 0).all()
+        assert all((np.diff(view.positions[h, real[h]]) > 0).all() for h in range(hkv))
         assert view.queries.shape[1:] == (b, d) and view.block_keys.shape == (hkv, b, d)
-        assert policy.keep_indices(view).shape == (hkv, min(view.keep, n))
+        rows = [np.asarray(row) for row in policy.keep_indices(view)]
+        assert all(len(np.unique(row)) == len(row) and real[h, row].all() for h, row in enumerate(rows))
+        if real.all() and len({len(row) for row in rows}) == 1:
+            assert np.shape(rows) == (hkv, min(view.keep, n))
+        else:  # uneven: the layer keeps its total over the heads
+            assert sum(len(row) for row in rows) == min(view.keep * hkv, int(real.sum()))
         if policy.evict_before_attention:
-            assert view.attention is None and view.positions.max(initial=-1) < view.query_positions[0]
+            assert view.attention is None and view.positions[real].max(initial=-1) < view.query_positions[0]
         else:
-            assert np.array_equal(view.positions[:, -b:], np.broadcast_to(view.query_positions, (hkv, b)))
+            last = [view.positions[h, real[h]][-b:] for h in range(hkv)]
+            assert np.array_equal(last, np.broadcast_to(view.query_positions, (hkv, b)))
         if "attention" in policy.needs and not policy.evict_before_attention:
             visible = view.positions[:, None, None, :] <= view.query_positions[None, None, :, None]
             assert np.allclose(view.attention.sum(axis=-1), 1.0, atol=1e-5)
