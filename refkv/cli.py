@@ -22,7 +22,7 @@ from .generation import _check_prompt, example_passage, generate_text
 from .model.config import TINY
 from .oracle.cli import add_golden_command
 from .policies.spec import parse_params
-from .threads import blas_threads, choose_threads
+from .threads import blas_threads, check_threads, choose_threads
 from .validation import check_int
 
 __all__ = ["HelpFormatter", "Parser", "build_parser", "check_policy_arguments", "check_policy_for_model",
@@ -94,7 +94,7 @@ def check_policy_arguments(args, config=None) -> policies.Policy:
     if args.block is not None:
         check_int("--block", args.block, 1)
     if args.threads is not None:
-        check_int("--threads", args.threads, 1)
+        check_threads("--threads", args.threads)
     policy = make_policy(args)
     if args.budget is None:
         if policy.name != "full":
