@@ -137,13 +137,14 @@ class _BadConstant(Exception):
 
 
 def parse_json(data: bytes | str, where: str, *, max_depth: int = MAX_JSON_DEPTH,
-               max_items: int = MAX_JSON_ITEMS):
+               max_items: int = MAX_JSON_ITEMS, allow_constants: bool = False):
     """Parse standard JSON safely; ValueError naming ``where`` for anything else.
 
-    Refused: text that is not UTF-8 or not JSON, ``NaN``/``Infinity``, a key repeated in
-    one object, more than ``max_items`` values (counted from the separators before
-    parsing, so the cap holds before any memory is taken), nesting deeper than
-    ``max_depth``.
+    Refused: text that is not UTF-8 or not JSON, ``NaN``/``Infinity`` (unless
+    ``allow_constants``: model configs written by Python may hold them, and their field
+    checks then refuse the value naming the key), a key repeated in one object, more than
+    ``max_items`` values (counted from the separators before parsing, so the cap holds
+    before any memory is taken), nesting deeper than ``max_depth``.
     """
     raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     items = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
@@ -154,7 +155,8 @@ def parse_json(data: bytes | str, where: str, *, max_depth: int = MAX_JSON_DEPTH
     except UnicodeDecodeError as err:
         raise ValueError(f"{where}: not UTF-8 text: {err}") from None
     try:
-        obj = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_pairs_no_duplicates)
+        obj = json.loads(text, parse_constant=float if allow_constants else _no_constant,
+                         object_pairs_hook=_pairs_no_duplicates)
     except json.JSONDecodeError as err:
         raise ValueError(f"{where}: not valid JSON: {err}") from None
     except RecursionError:
@@ -169,10 +171,10 @@ def parse_json(data: bytes | str, where: str, *, max_depth: int = MAX_JSON_DEPTH
 
 
 def load_json(path, max_bytes: int, *, what: str = "JSON file", root=None, max_depth: int = MAX_JSON_DEPTH,
-              max_items: int = MAX_JSON_ITEMS):
+              max_items: int = MAX_JSON_ITEMS, allow_constants: bool = False):
     """:func:`read_regular` then :func:`parse_json`: a JSON file read within stated caps."""
     data = read_regular(path, max_bytes, what=what, root=root)
-    return parse_json(data, str(path), max_depth=max_depth, max_items=max_items)
+    return parse_json(data, str(path), max_depth=max_depth, max_items=max_items, allow_constants=allow_constants)
 
 
 def check_write_target(path, root, *, what: str = "file") -> Path:

@@ -12,7 +12,13 @@ import math
 
 import numpy as np
 
-__all__ = ["check_choice", "check_float", "check_int", "check_size", "shown"]
+__all__ = ["MAX_CONTEXT", "check_choice", "check_context", "check_float", "check_int", "check_size", "shown"]
+
+
+#: The longest context, in tokens, any parameter counted in tokens may span (a window, a
+#: kernel, future positions, a prompt): no model refkv reads has a longer one, and every
+#: such parameter is checked against it before anything is sized by it.
+MAX_CONTEXT = 2**17
 
 
 def shown(value, limit: int = 60) -> str:
@@ -108,3 +114,15 @@ def check_choice(name: str, value, choices) -> object:
         listed = ", ".join(repr(c) for c in choices)
         raise ValueError(f"{name} must be one of {listed}, got {shown(value)}")
     return value
+
+
+def check_context(n_tokens: int, max_positions: int, what: str = "prompt") -> int:
+    """Refuse ``n_tokens`` beyond the model's context (``max_positions``) before any token runs.
+
+    Positions past the context were never trained (RoPE extrapolates badly) and a prompt of
+    100,000 tokens would take quadratic memory: the answer would be wrong or never come.
+    """
+    if n_tokens > max_positions:
+        raise ValueError(f"{what} has {n_tokens} tokens, more than the model's context of {max_positions} "
+                         f"(max_positions); shorten it")
+    return n_tokens

@@ -32,8 +32,12 @@ def _run(capsys, *argv):
 
 def _toy(name="toy"):
     """A two-cell experiment that costs nothing (the writer is under attack, not the model)."""
-    return Experiment(name=name, title="toy", cells=lambda s: [{"i": 0}, {"i": 1}], run=_toy_cell,
-                      summarise=lambda records, folder, settings: [])
+    return runner.register_experiment(Experiment(name=name, title="toy", cells=_toy_cells, run=_toy_cell,
+                                                 summarise=lambda records, folder, settings: []))
+
+
+def _toy_cells(settings):
+    return [{"i": 0}, {"i": 1}]
 
 
 def _toy_cell(params):

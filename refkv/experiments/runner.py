@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from ..files import check_write_target, file_mode, parse_json, read_regular
-from ..validation import check_choice, check_int
+from ..validation import MAX_CONTEXT, check_choice, check_int
 
 #: ``os.O_NOFOLLOW`` where the platform has it: records and locks are never opened through a symlink.
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -75,6 +75,14 @@ __all__ = [
 #: Environment variables that cap the BLAS/OpenMP threads of a worker process.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
                     "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+#: Most texts or prompts per cell a grid may ask for (the full grid uses 50; the grid is
+#: listed whole before anything runs, so this bounds its memory and the planning time).
+MAX_SAMPLES = 10_000
+#: Longest prompt, text, budget or block in tokens an experiment may ask for (checked when
+#: the settings are made, before any model is read): :data:`refkv.validation.MAX_CONTEXT`.
+MAX_TOKENS = MAX_CONTEXT
 
 
 @dataclass(frozen=True)
@@ -141,17 +149,17 @@ class Settings:
             raise ValueError("quick and full are exclusive: choose the tiny grid or the powered one")
         if self.registered and (self.quick or self.full):
             raise ValueError("registered is a grid of its own: give it without quick or full")
-        for name in ("texts", "passkey_prompts", "output_prompts"):
+        for name in ("texts", "passkey_prompts", "output_prompts"):  # bounded: the grid is listed whole
             if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), 1)
+                check_int(name, getattr(self, name), 1, MAX_SAMPLES)
         if self.text_length is not None:
-            check_int("text_length", self.text_length, 2)
+            check_int("text_length", self.text_length, 2, MAX_TOKENS)
         for value in self.passkey_lengths or ():
-            check_int("passkey_lengths", value, 64)
+            check_int("passkey_lengths", value, 64, MAX_TOKENS)
         for name in ("budgets", "blocks"):
             for value in getattr(self, name) or ():
                 if value is not None:
-                    check_int(name, value, 1)  # or None
+                    check_int(name, value, 1, MAX_TOKENS)  # or None
         check_int("seed", self.seed, 0)
         if self.policies is not None:
             check_policy_specs(self.policies)
