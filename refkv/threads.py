@@ -43,9 +43,21 @@ import numpy as np
 
 from .validation import check_int, shown
 
-__all__ = ["BLOCK_ROWS", "DECODE_ROWS", "IDLE_FRACTION", "IDLE_WINDOW", "MARGIN", "MAX_THREADS", "REPEATS",
-           "ThreadChoice", "check_threads",
-           "blas_threads", "choose_threads", "idle_cores", "usable_cores"]
+__all__ = [
+    "BLOCK_ROWS",
+    "DECODE_ROWS",
+    "IDLE_FRACTION",
+    "IDLE_WINDOW",
+    "MARGIN",
+    "MAX_THREADS",
+    "REPEATS",
+    "ThreadChoice",
+    "blas_threads",
+    "check_threads",
+    "choose_threads",
+    "idle_cores",
+    "usable_cores",
+]
 
 #: Rows of the block product timed (a typical prompt block ``B``).
 BLOCK_ROWS = 32

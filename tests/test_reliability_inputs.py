@@ -28,7 +28,7 @@ from refkv.model.safetensors_dir import CheckpointError, read_safetensors
 ROOT = Path(__file__).resolve().parents[1]
 gguf = pytest.importorskip("gguf")
 
-from test_checkpoint_dir import SMALL, write_checkpoint, write_safetensors  # noqa: E402
+from test_checkpoint_dir import SMALL, write_checkpoint  # noqa: E402
 from test_gguf import write_gguf  # noqa: E402
 
 from refkv.model.gguf import GGUFError, read_block_count, read_gguf  # noqa: E402
@@ -163,7 +163,7 @@ def test_attack_26_07_a_key_given_twice_is_refused(capsys, tmp_path):
 
     code, text = _check(capsys, _candidate(tmp_path, twice))
     assert code == 1 and "FAIL" in text and "the key 'kept' twice" in text, text
-    with pytest.raises(ValueError, match="x.json: JSON object has the key 'a' twice"):
+    with pytest.raises(ValueError, match=r"x\.json: JSON object has the key 'a' twice"):
         parse_json(b'{"a": 1, "a": 2}', "x.json")
 
 
@@ -258,7 +258,7 @@ def test_attack_26_11_fifos_are_refused_without_blocking(capsys, tmp_path, weigh
     os.mkfifo(folder / "config.json")
     start = time.perf_counter()
     code, text = _cli(capsys, "generate", "hi", "--model", folder, "--max-new-tokens", "1")
-    assert code == 2 and "Traceback" not in text, text
+    _clear(code, text, "config.json", "must be a regular file, but it is a FIFO")
     with pytest.raises(ValueError, match="must be a regular file, but it is a FIFO"):
         load_json(folder / "config.json", 1000)
     out = tmp_path / "out"
@@ -283,7 +283,7 @@ def test_attack_26_12_devices_are_refused(capsys, tmp_path, weights, monkeypatch
     (folder / "config.json").unlink()
     (folder / "config.json").symlink_to("/dev/zero")
     code, text = _cli(capsys, "generate", "hi", "--model", folder, "--max-new-tokens", "1")
-    assert code == 2 and "Traceback" not in text, text
+    _clear(code, text, "config.json", "must be a regular file, but it is a device")
     code, text = _cli(capsys, "generate", "--prompt-file", "/dev/zero", "--model", "tiny")
     _clear(code, text, "/dev/zero", "a device")
 
@@ -312,7 +312,7 @@ def test_attack_26_13_gguf_string_lengths_beyond_the_file(tmp_path, where, lengt
 
     path = _patched_gguf(tmp_path, "long.gguf", patch)
     assert read_block_count(path) is None  # the header probe gives up; nothing allocated
-    with pytest.raises(GGUFError, match="long.gguf"):
+    with pytest.raises(GGUFError, match=r"long\.gguf"):
         read_gguf(path, weights=False)
 
 
@@ -553,8 +553,8 @@ def test_reliability_26_table():
     table = table[:table.index("inputs tried")]
     rows = {}
     for line in table.splitlines():
-        match = re.match(r"^\s*(\d+)\s{2,}(.+?)\s{2,}(\w[\w ]*?)\s{2,}(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s*$",
-                         line)
+        match = re.match(r"^\s*(\d+)\s{2,}(.+?)\s{2,}(\w[\w ]*?)\s{2,}"
+                         r"(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s*$", line)
         if match:
             item = int(match.group(1))
             assert item not in rows, f"item {item} appears twice"

@@ -39,6 +39,7 @@ Loading with a tokenizer (``refkv generate``, experiments) requires it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -133,7 +134,7 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
     entries = {name: _header_entry(path, name, info, data.size) for name, info in header.items()
                if name != "__metadata__"}
     spans = sorted((start, stop, name) for name, (_, _, start, stop) in entries.items() if stop > start)
-    for (_, stop, first), (start, _, second) in zip(spans, spans[1:]):
+    for (_, stop, first), (start, _, second) in itertools.pairwise(spans):
         if start < stop:  # as the safetensors library: every tensor has bytes of its own
             raise CheckpointError(f"{path}: tensors {first!r} and {second!r} share bytes (their data_offsets "
                                   f"overlap); the header is inconsistent")
@@ -238,7 +239,7 @@ def _rope(f: _Fields) -> dict:
 
 def _config(path: Path) -> ModelConfig:
     file = path / "config.json"
-    if not file.is_file():
+    if not file.exists():  # a FIFO or device there is refused by read_json, naming what it is
         raise ModelNotFoundError(f"{path} has no config.json; not a Hugging Face checkpoint directory")
     cfg = read_json(file)
     if not isinstance(cfg, dict):
