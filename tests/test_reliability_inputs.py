@@ -516,13 +516,13 @@ def test_attack_26_21_resume_reruns_the_bad_cell(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     good = runner.cell_key({"i": 0})
-    (out / "toy.jsonl").write_text(
+    (out / "toy26.jsonl").write_text(
         json.dumps({"key": good, "params": {"i": 0}, "result": {"value": 0}}) + "\n"
         + json.dumps({"key": runner.cell_key({"i": 1}), "params": {"i": 1}, "result": "garbage"}) + "\n")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         records = runner.run(_toy(), runner.Settings(quick=True), out=out, stream=open(os.devnull, "w"))
-    assert [r["result"] for r in records["toy"]] == [{"value": 0}, {"value": 1}]
+    assert [r["result"] for r in records["toy26"]] == [{"value": 0}, {"value": 1}]
 
 
 # -- the shared readers --------------------------------------------------------------------------------------------

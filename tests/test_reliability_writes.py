@@ -30,7 +30,7 @@ def _run(capsys, *argv):
     return code, out.out + out.err
 
 
-def _toy(name="toy"):
+def _toy(name="toy26"):
     """A two-cell experiment that costs nothing (the writer is under attack, not the model)."""
     return runner.register_experiment(Experiment(name=name, title="toy", cells=_toy_cells, run=_toy_cell,
                                                  summarise=lambda records, folder, settings: []))
@@ -60,7 +60,7 @@ def test_attack_26_01_symlinked_lock_file_is_refused_not_truncated(tmp_path):
     out, victim = tmp_path / "out", tmp_path / "victim.txt"
     out.mkdir()
     victim.write_text("precious\n")
-    (out / ".toy.jsonl.lock").symlink_to(victim)
+    (out / ".toy26.jsonl.lock").symlink_to(victim)
     with pytest.raises(ValueError, match="lock file is a symlink"):
         runner.run(_toy(), Settings(quick=True), out=out, stream=open(os.devnull, "w"))
     assert victim.read_text() == "precious\n"
@@ -82,7 +82,7 @@ def test_attack_26_02_symlinked_records_file_is_refused(tmp_path):
     out.mkdir()
     victim.write_text('{"a": 1}\nlast line without newline')
     before = victim.read_bytes()
-    (out / "toy.jsonl").symlink_to(victim)
+    (out / "toy26.jsonl").symlink_to(victim)
     with pytest.raises(ValueError, match="results file is a symlink"):
         runner.run(_toy(), Settings(quick=True), out=out, stream=open(os.devnull, "w"))
     assert victim.read_bytes() == before
@@ -92,10 +92,20 @@ def test_attack_26_02_records_are_appended_without_following_a_symlink(tmp_path)
     out, victim = tmp_path / "out", tmp_path / "victim.jsonl"
     out.mkdir()
     victim.write_text("")
-    (out / "toy.jsonl").symlink_to(victim)
+    (out / "toy26.jsonl").symlink_to(victim)
     with pytest.raises(OSError):  # O_NOFOLLOW: a symlink planted between the check and the write
-        runner.append_record(out / "toy.jsonl", {"key": "k"})
+        runner.append_record(out / "toy26.jsonl", {"key": "k"})
     assert victim.read_text() == ""
+
+
+def test_attack_26_02_a_symlinked_summary_folder_is_refused_before_any_cell(tmp_path):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "toy26").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(ValueError, match="summary folder is a symlink"):
+        runner.run(_toy(), Settings(quick=True), out=out, stream=open(os.devnull, "w"))
+    assert list(elsewhere.iterdir()) == [] and not (out / "toy26.jsonl").exists()
 
 
 # -- 3: a check never writes ----------------------------------------------------------------------------

@@ -654,6 +654,10 @@ def run(experiments: Iterable[Experiment] | Experiment, settings: Settings | Non
     with contextlib.ExitStack() as stack:
         for experiment in experiments:
             path = check_write_target(out / f"{experiment.name}.jsonl", out, what="results file")
+            if summarise and (out / experiment.name).is_symlink():  # tables and plots go there: never through a link
+                raise ValueError(f"{out / experiment.name}: the summary folder is a symlink (to "
+                                 f"{os.readlink(out / experiment.name)}); refusing to write through it -- remove it "
+                                 f"or use another --out")
             stack.enter_context(_locked(path))
             cut_partial_tail(path)
         tasks, done = plan(experiments, settings, out)
