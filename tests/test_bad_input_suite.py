@@ -178,7 +178,7 @@ def test_attack_13_02_a_kill_at_any_point_leaves_the_old_or_the_new_suite(monkey
     assert outcomes == {"old", "new"}  # kills before and after the commit point were both tried
 
 
-def test_attack_13_02_kill_9_while_publishing_is_finished_by_the_next_reader(tmp_path, small_suite):
+def test_attack_13_02_kill_9_while_publishing_is_refused_by_readers_and_finished_by_the_writer(tmp_path, small_suite):
     out = tmp_path / "out"
     shutil.copytree(small_suite, out)
     before = read_json(out / "suite.json")
