@@ -217,6 +217,13 @@ def test_attack_26_16_huge_prompts_are_refused_before_any_work(capsys, tmp_path)
     code, text = _cli(capsys, "generate", "x" * 100_000, "--model", "tiny", "--raw", "--max-new-tokens", "1")
     _clear(code, text, "100000 tokens", "context of")
     assert time.perf_counter() - start < 20
+    from refkv.experiments.common import prefill_or_skip
+
+    model = load("tiny", dtype="float32")
+    too_long = model.config.max_positions + 1
+    with pytest.raises(ValueError, match=f"has {too_long} tokens, more than the model's context"):
+        prefill_or_skip({"policy": "sink", "budget": 16, "block": None, "length": too_long}, model,
+                        np.zeros(too_long, dtype=np.int64))  # an experiment cell's prompt, before the engine
     big = tmp_path / "big.txt"
     big.write_bytes(b"x" * (4 * 2**20 + 1))
     code, text = _cli(capsys, "generate", "--prompt-file", big, "--model", "tiny")
