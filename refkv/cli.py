@@ -22,8 +22,8 @@ from .generation import _check_prompt, example_passage, generate_text
 from .model.config import TINY
 from .oracle.cli import add_golden_command
 from .policies.spec import parse_params
-from .threads import blas_threads, choose_threads
-from .validation import check_int
+from .threads import blas_threads, check_threads, choose_threads
+from .validation import check_context, check_int
 
 __all__ = ["HelpFormatter", "Parser", "build_parser", "check_policy_arguments", "check_policy_for_model",
            "evicted_summary", "main"]
@@ -123,7 +123,7 @@ def check_policy_arguments(args, config=None) -> policies.Policy:
     if args.block is not None:
         check_int("--block", args.block, 1)
     if args.threads is not None:
-        check_int("--threads", args.threads, 1)
+        check_threads("--threads", args.threads)
     policy = make_policy(args)
     if args.budget is None:
         if policy.name != "full":
@@ -155,17 +155,16 @@ def _depth_before_loading(name):
     """
     if name == "tiny":
         return TINY
-    import json
-
     from .model.gguf import read_block_count
     from .model.loading import model_path
+    from .model.safetensors_dir import read_json
 
     try:
         path = model_path(name)
         if path.is_file():
             depth = read_block_count(path)
         else:
-            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+            config = read_json(path / "config.json")  # a regular file, size- and depth-capped
             config = config.get("text_config", config)
             depth = config.get("num_hidden_layers")
     except (OSError, ValueError, AttributeError):
@@ -236,6 +235,7 @@ def _cmd_run(args) -> int:
     check_int("--new-tokens", args.new_tokens, 0)
     check_int("--seed", args.seed, 0)
     model = load("tiny", dtype=args.dtype, seed=args.seed)
+    check_context(args.prompt_len, model.config.max_positions, "--prompt-len")
     policy = check_policy_arguments(args, model.config)
     check_policy_for_model(policy, args, model.config, args.prompt_len)
     choice = choose_threads(model.config, requested=args.threads)
@@ -296,10 +296,18 @@ def evicted_summary(engine) -> str:
 
 
 # -- refkv generate ------------------------------------------------------------------------
+#: Largest prompt read from a file or stdin (every model's context is far smaller; the
+#: token count is checked against the model's context once the tokenizer is read).
+MAX_PROMPT_BYTES = 4 * 2**20
+
+
 def _read_stdin() -> str:
     """Standard input as text; bytes that are not UTF-8 become lone surrogates (then refused)."""
     raw = getattr(sys.stdin, "buffer", None)
-    return sys.stdin.read() if raw is None else raw.read().decode("utf-8", "surrogateescape")
+    data = sys.stdin.read(MAX_PROMPT_BYTES + 1) if raw is None else raw.read(MAX_PROMPT_BYTES + 1)
+    if len(data) > MAX_PROMPT_BYTES:
+        raise ValueError(f"the prompt on stdin is longer than {MAX_PROMPT_BYTES} bytes; refusing to read on")
+    return data if raw is None else data.decode("utf-8", "surrogateescape")
 
 
 #: A prefill expected to take longer than this many seconds gets a progress line.
@@ -335,10 +343,12 @@ def _read_prompt(args) -> str:
     if args.example:
         return example_passage()
     if args.prompt_file is not None:
+        from .files import read_regular
+
+        data = read_regular(args.prompt_file, MAX_PROMPT_BYTES, what="--prompt-file")  # no FIFO, no /dev/zero
         try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                return f.read()
-        except (OSError, UnicodeDecodeError) as err:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as err:
             raise ValueError(f"--prompt-file {args.prompt_file!r} cannot be read: {err}") from None
     return _read_stdin() if args.prompt == "-" else args.prompt
 
@@ -364,7 +374,7 @@ def _cmd_generate(args) -> int:
     load_seconds = time.perf_counter() - start
     chat = not args.raw and tokenizer.has_chat_template
     ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
-    n_prompt = len(ids)
+    n_prompt = check_context(len(ids), model.config.max_positions)
     check_policy_for_model(policy, args, model.config, n_prompt)
     choice = choose_threads(model.config, requested=args.threads)
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .engine import Engine
+from .validation import check_context
 
 __all__ = ["Generation", "example_answer", "example_passage", "example_question", "generate_text"]
 
@@ -103,6 +104,7 @@ def generate_text(model, tokenizer, prompt: str, *, policy="full", budget: int |
     ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
     if not ids:
         raise ValueError("prompt must not be empty (it encodes to no tokens)")
+    check_context(len(ids), model.config.max_positions)
     engine = Engine(model, policy, budget, **engine_options)
     stream, pieces = tokenizer.stream(), []
     stop_ids = tokenizer.stop_ids

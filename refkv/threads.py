@@ -34,16 +34,30 @@ block (through :mod:`threadpoolctl`), and the thread count outside it is left as
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from .validation import check_int
+from .validation import check_int, shown
 
-__all__ = ["BLOCK_ROWS", "DECODE_ROWS", "IDLE_FRACTION", "IDLE_WINDOW", "MARGIN", "REPEATS", "ThreadChoice",
-           "blas_threads", "choose_threads", "idle_cores", "usable_cores"]
+__all__ = [
+    "BLOCK_ROWS",
+    "DECODE_ROWS",
+    "IDLE_FRACTION",
+    "IDLE_WINDOW",
+    "MARGIN",
+    "MAX_THREADS",
+    "REPEATS",
+    "ThreadChoice",
+    "blas_threads",
+    "check_threads",
+    "choose_threads",
+    "idle_cores",
+    "usable_cores",
+]
 
 #: Rows of the block product timed (a typical prompt block ``B``).
 BLOCK_ROWS = 32
@@ -76,6 +90,37 @@ class ThreadChoice:
     reason: str
 
 
+#: Most BLAS threads ever asked for (a documented bound, checked before any C call sees the
+#: number; the BLAS may allow fewer, which :func:`check_threads` finds out and says).
+MAX_THREADS = 1024
+
+
+def check_threads(name: str, n) -> int:
+    """A thread count in ``[1, MAX_THREADS]`` that this machine's BLAS really runs.
+
+    OpenBLAS silently caps the count at the maximum it was built for (64 is common): a
+    larger request is refused, naming that maximum, instead of being reported as used.
+    """
+    n = check_int(name, n, 1)
+    most = _blas_max_threads(min(n, MAX_THREADS))  # never more than MAX_THREADS reaches the C library
+    high = MAX_THREADS if most is None else min(most, MAX_THREADS)
+    if n > high:
+        raise ValueError(f"{name} must be an integer in [1, {high}] (the most threads this machine's BLAS "
+                         f"runs), got {shown(n)}")
+    return n
+
+
+def _blas_max_threads(n: int) -> int | None:
+    """The thread count the BLAS reports after being asked for ``n`` (None without a BLAS pool)."""
+    try:
+        from threadpoolctl import threadpool_info, threadpool_limits
+    except ImportError:  # pragma: no cover - threadpoolctl is a dependency
+        return None
+    with threadpool_limits(limits=n, user_api="blas"):
+        counts = [info["num_threads"] for info in threadpool_info() if info.get("user_api") == "blas"]
+    return min(counts) if counts else None
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask where the OS has one)."""
     try:
@@ -104,8 +149,8 @@ def _cpu_times() -> tuple[float, float] | None:
         fields = [float(x) for x in (line or "").split()[1:9]]  # user .. steal
     except ValueError:
         return None
-    if len(fields) < 5:
-        return None
+    if len(fields) < 5 or not all(math.isfinite(x) and x >= 0 for x in fields):
+        return None  # not the counters of a real /proc/stat (nan, inf, negative): no measurement
     return fields[3] + fields[4], sum(fields)  # idle + iowait, all
 
 
@@ -123,6 +168,8 @@ def idle_cores(window: float = IDLE_WINDOW) -> float | None:
     if after is None or after[1] <= before[1]:
         return None
     idle_share = (after[0] - before[0]) / (after[1] - before[1])
+    if not 0.0 <= idle_share <= 1.0:
+        return None
     return idle_share * min(usable_cores(), os.cpu_count() or 1)
 
 
@@ -152,7 +199,7 @@ def blas_threads(n: int):
     """
     from threadpoolctl import threadpool_limits
 
-    n = check_int("threads", n, 1)
+    n = check_int("threads", n, 1, MAX_THREADS)
     with threadpool_limits(limits=n, user_api="blas"):
         yield
 
@@ -216,7 +263,7 @@ def choose_threads(config, *, requested: int | None = None) -> ThreadChoice:
     ThreadChoice(n=3, reason='--threads')
     """
     if requested is not None:
-        return ThreadChoice(check_int("threads", requested, 1), "--threads")
+        return ThreadChoice(check_threads("--threads", requested), "--threads")
     cores = usable_cores()
     if cores == 1:
         return ThreadChoice(1, "1 usable core")

@@ -12,7 +12,22 @@ import math
 
 import numpy as np
 
-__all__ = ["check_choice", "check_float", "check_int"]
+__all__ = ["MAX_CONTEXT", "check_choice", "check_context", "check_float", "check_int", "check_size", "shown"]
+
+
+#: The longest context, in tokens, any parameter counted in tokens may span (a window, a
+#: kernel, future positions, a prompt): no model refkv reads has a longer one, and every
+#: such parameter is checked against it before anything is sized by it.
+MAX_CONTEXT = 2**17
+
+
+def shown(value, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages (a 400-digit integer stays one short line)."""
+    try:
+        text = repr(value) if not isinstance(value, int) or abs(value) < 10**limit else f"{value:.3e}"
+    except (ValueError, OverflowError):  # an int too large for repr (Python's digit limit)
+        text = f"an integer of about {value.bit_length()} bits"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def check_int(name: str, value, low: int, high: int | None = None) -> int:
@@ -35,8 +50,20 @@ def check_int(name: str, value, low: int, high: int | None = None) -> int:
     ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
     if not ok or value < low or (high is not None and value > high):
         allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+        raise ValueError(f"{name} must be an integer {allowed}, got {shown(value)}")
     return int(value)
+
+
+def check_size(name: str, value, low: int, high: int, *, why: str = "") -> int:
+    """An integer size, count, id or length, always with an upper bound (checked before allocating).
+
+    Like :func:`check_int` with ``high`` required; ``why`` says where the bound comes from
+    (``"the model's context"``, ``"the file's size"``) and is added to the message.
+    """
+    try:
+        return check_int(name, value, low, high)
+    except ValueError as err:
+        raise ValueError(f"{err} ({why})" if why else str(err)) from None
 
 
 def check_float(name: str, value, low: float | None = None, high: float | None = None, *,
@@ -59,7 +86,10 @@ def check_float(name: str, value, low: float | None = None, high: float | None =
     """
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
     if ok:
-        ok = math.isfinite(float(value))
+        try:
+            ok = math.isfinite(float(value))
+        except OverflowError:  # an integer beyond the float range (400 digits)
+            ok = False
     if ok and low is not None:
         ok = value > low if low_open else value >= low
     if ok and high is not None:
@@ -73,7 +103,7 @@ def check_float(name: str, value, low: float | None = None, high: float | None =
             left = "("
         if high is None:
             right = ")"
-        raise ValueError(f"{name} must be a finite number in {left}{lo}, {hi}{right}, got {value!r}")
+        raise ValueError(f"{name} must be a finite number in {left}{lo}, {hi}{right}, got {shown(value)}")
     return float(value)
 
 
@@ -82,5 +112,17 @@ def check_choice(name: str, value, choices) -> object:
     choices = tuple(choices)
     if value not in choices:
         listed = ", ".join(repr(c) for c in choices)
-        raise ValueError(f"{name} must be one of {listed}, got {value!r}")
+        raise ValueError(f"{name} must be one of {listed}, got {shown(value)}")
     return value
+
+
+def check_context(n_tokens: int, max_positions: int, what: str = "prompt") -> int:
+    """Refuse ``n_tokens`` beyond the model's context (``max_positions``) before any token runs.
+
+    Positions past the context were never trained (RoPE extrapolates badly) and a prompt of
+    100,000 tokens would take quadratic memory: the answer would be wrong or never come.
+    """
+    if n_tokens > max_positions:
+        raise ValueError(f"{what} has {n_tokens} tokens, more than the model's context of {max_positions} "
+                         f"(max_positions); shorten it")
+    return n_tokens

@@ -352,13 +352,13 @@ def test_attack_13_09_keydiff_half_precision_is_scale_free(keys, exponent, kind)
 # -- 12: experiment records and policy lists -------------------------------------------------
 def test_attack_13_12_complete_last_record_without_newline_is_kept(tmp_path):
     path = tmp_path / "toy.jsonl"
-    append_record(path, {"key": "a", "result": 1})
-    append_record(path, {"key": "b", "result": 2})
+    append_record(path, {"key": "a", "result": {"v": 1}})
+    append_record(path, {"key": "b", "result": {"v": 2}})
     path.write_bytes(path.read_bytes().rstrip(b"\n"))  # a complete record, newline lost
     assert [r["key"] for r in read_records(path)] == ["a", "b"]
     cut_partial_tail(path)
     assert [r["key"] for r in read_records(path)] == ["a", "b"]
-    append_record(path, {"key": "c", "result": 3})
+    append_record(path, {"key": "c", "result": {"v": 3}})
     assert [r["key"] for r in read_records(path)] == ["a", "b", "c"]
     # A torn record (no closing brace) is still cut.
     with open(path, "ab") as f:
@@ -530,6 +530,8 @@ ATTACK_TEST = re.compile(r"^def (test_attack_13_(\d\d)_\w+)\(", re.MULTILINE)
 def _table_rows() -> dict[int, list[str]]:
     """Rows of the attack table: item number -> the cells after the attack's description."""
     text = (ROOT / "docs" / "guide" / "reliability.rst").read_text()
+    text = text[text.index(".. table:: Issue 13"):]
+    text = text[:text.index("inputs tried")]  # this table only (issue 26 has its own, checked with its tests)
     rows = {}
     for line in text.splitlines():
         match = re.match(r"^\s*(\d+)\s{2,}(.+?)\s{2,}(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s*$", line)

@@ -18,7 +18,7 @@ import pytest
 from refkv.cli import main
 from refkv.oracle import suite as suite_module
 from refkv.oracle.io import read_json, write_json
-from refkv.oracle.suite import STAGING, generate_suite, read_suite
+from refkv.oracle.suite import STAGING, generate_suite, read_suite, recover
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -162,7 +162,8 @@ def test_attack_13_02_a_kill_at_any_point_leaves_the_old_or_the_new_suite(monkey
         with pytest.raises(_Killed):
             generate_suite(out, ["sink"])
         monkeypatch.setattr(os, "replace", real_replace)
-        index = read_suite(out)  # finishes a committed publication; every checksum must hold
+        recover(out)  # the writer finishes a committed publication (a reader refuses it)
+        index = read_suite(out)  # every checksum must hold
         assert index["files"] in (old_index["files"], new_index["files"]), k
         outcomes.add("new" if index["files"] == new_index["files"] else "old")
         listed = {e["path"] for e in index["files"]} | {e["path"][:-5] + ".npz" for e in index["files"]
@@ -177,7 +178,7 @@ def test_attack_13_02_a_kill_at_any_point_leaves_the_old_or_the_new_suite(monkey
     assert outcomes == {"old", "new"}  # kills before and after the commit point were both tried
 
 
-def test_attack_13_02_kill_9_while_publishing_is_finished_by_the_next_reader(tmp_path, small_suite):
+def test_attack_13_02_kill_9_while_publishing_is_refused_by_readers_and_finished_by_the_writer(tmp_path, small_suite):
     out = tmp_path / "out"
     shutil.copytree(small_suite, out)
     before = read_json(out / "suite.json")
@@ -199,7 +200,11 @@ suite.generate_suite({str(out)!r}, ["sink"])
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert (out / STAGING / "COMMITTED.json").exists()  # killed after the commit point, mid-publication
-    index = read_suite(out)  # rolls the publication forward
+    with pytest.raises(ValueError, match="a check never writes"):
+        read_suite(out)  # a reader refuses an unfinished publication, touching nothing
+    assert (out / STAGING / "COMMITTED.json").exists()
+    recover(out)  # the writer rolls the publication forward
+    index = read_suite(out)
     assert not (out / STAGING).exists()
     assert index["files"] != before["files"]
     assert all(e["policy"] != "sink" or e["kind"] != "e2e" or json.loads((out / e["path"]).read_text())

@@ -127,13 +127,13 @@ def test_cut_partial_tail_keeps_complete_lines(tmp_path):
 
 def test_read_records_skips_a_corrupt_middle_line_with_a_warning_and_last_duplicate_wins(tmp_path):
     path = tmp_path / "r.jsonl"
-    append_record(path, {"key": "a", "result": 1})
+    append_record(path, {"key": "a", "result": {"v": 1}})
     with open(path, "ab") as f:
         f.write(b"not json\n")
-    append_record(path, {"key": "a", "result": 2})
+    append_record(path, {"key": "a", "result": {"v": 2}})
     with pytest.warns(UserWarning, match="unreadable"):
         records = read_records(path)
-    assert records == [{"key": "a", "result": 2}]
+    assert records == [{"key": "a", "result": {"v": 2}}]
     assert read_records(tmp_path / "missing.jsonl") == []
 
 

@@ -71,14 +71,14 @@ def add_experiment_command(sub) -> None:
 
 
 def _cmd_experiment(args) -> int:
-    from ..threads import blas_threads
+    from ..threads import blas_threads, check_threads
     from ..validation import check_int
     from .runner import Settings, check_policy_specs, experiment_names, get_experiment, plan, run
 
     check_int("--jobs", args.jobs, 1)
     check_int("--seed", args.seed, 0)
     if args.threads is not None:
-        check_int("--threads", args.threads, 1)
+        check_threads("--threads", args.threads)
     if args.scheduler is not None:
         from .cluster import check_scheduler
 

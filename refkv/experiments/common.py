@@ -37,6 +37,7 @@ from .. import policies
 from ..attention import attend
 from ..files import atomic_write
 from ..policies.spec import canonical_spec, make_policy, parse_spec
+from ..validation import check_context
 
 __all__ = [
     "COMPARABLE_BASELINES",
@@ -142,6 +143,8 @@ def prefill_or_skip(params: dict, model, tokens, *, on_block=None):
     logits (B, vocab) when given (perplexity reads every token's).
     """
     spec, budget, block = params["policy"], params["budget"], params["block"]
+    check_context(len(tokens), model.config.max_positions, f"the cell's prompt ({params.get('length', '?')} "
+                  f"tokens asked)")  # a prompt beyond the context is an error of the grid, not a skip
     reason = policy_error(spec, budget, block, model.config)
     if reason is not None:
         return None, None, reason

@@ -52,7 +52,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..validation import check_choice, check_int
+from ..files import check_write_target, file_mode, parse_json, read_regular
+from ..validation import MAX_CONTEXT, check_choice, check_int
+
+#: ``os.O_NOFOLLOW`` where the platform has it: records and locks are never opened through a symlink.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 __all__ = [
     "Experiment",
@@ -71,6 +75,14 @@ __all__ = [
 #: Environment variables that cap the BLAS/OpenMP threads of a worker process.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
                     "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+#: Most texts or prompts per cell a grid may ask for (the full grid uses 50; the grid is
+#: listed whole before anything runs, so this bounds its memory and the planning time).
+MAX_SAMPLES = 10_000
+#: Longest prompt, text, budget or block in tokens an experiment may ask for (checked when
+#: the settings are made, before any model is read): :data:`refkv.validation.MAX_CONTEXT`.
+MAX_TOKENS = MAX_CONTEXT
 
 
 @dataclass(frozen=True)
@@ -137,17 +149,17 @@ class Settings:
             raise ValueError("quick and full are exclusive: choose the tiny grid or the powered one")
         if self.registered and (self.quick or self.full):
             raise ValueError("registered is a grid of its own: give it without quick or full")
-        for name in ("texts", "passkey_prompts", "output_prompts"):
+        for name in ("texts", "passkey_prompts", "output_prompts"):  # bounded: the grid is listed whole
             if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), 1)
+                check_int(name, getattr(self, name), 1, MAX_SAMPLES)
         if self.text_length is not None:
-            check_int("text_length", self.text_length, 2)
+            check_int("text_length", self.text_length, 2, MAX_TOKENS)
         for value in self.passkey_lengths or ():
-            check_int("passkey_lengths", value, 64)
+            check_int("passkey_lengths", value, 64, MAX_TOKENS)
         for name in ("budgets", "blocks"):
             for value in getattr(self, name) or ():
                 if value is not None:
-                    check_int(name, value, 1)  # or None
+                    check_int(name, value, 1, MAX_TOKENS)  # or None
         check_int("seed", self.seed, 0)
         if self.policies is not None:
             check_policy_specs(self.policies)
@@ -284,17 +296,27 @@ def cell_key(params: dict) -> str:
     return json.dumps(params, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
+#: Largest results file read (a record is a few kB; the full grid has a few thousand cells).
+MAX_RECORDS_BYTES = 2**30
+#: Largest single record line.
+MAX_RECORD_BYTES = 1 << 24
+
+
 def read_records(path) -> list[dict]:
     """All complete records of a JSON-lines results file (``[]`` if it does not exist).
 
     A partial last line (a run killed mid-write) is ignored silently; a last line that
     is a complete record whose newline was lost is kept; an unreadable line elsewhere is
-    skipped with a warning. Records with the same key: the last wins.
+    skipped with a warning naming the file and line (its cell runs again). A record is
+    readable when it is standard JSON (no ``NaN``, at most :data:`refkv.files.MAX_JSON_DEPTH`
+    levels) holding a string ``key``, a ``params`` object and a ``result`` object. Records
+    with the same key: the last wins. The file must be a regular file (a FIFO or device is
+    refused, a symlink out of its folder too) of at most :data:`MAX_RECORDS_BYTES`.
     """
     path = Path(path)
-    if not path.exists():
+    if not (path.exists() or path.is_symlink()):
         return []
-    data = path.read_bytes()
+    data = read_regular(path, MAX_RECORDS_BYTES, what="results file", root=path.parent)
     lines = data.split(b"\n")
     complete = lines[:-1]  # after the last "\n": empty, a partial line, or a whole record
     if _whole_record(lines[-1]):
@@ -304,13 +326,26 @@ def read_records(path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-            key = record["key"]
-        except (ValueError, KeyError, TypeError):
-            warnings.warn(f"{path}:{number}: skipping an unreadable record", stacklevel=2)
+            record = _parse_record(line, f"{path}:{number}")
+        except ValueError as err:
+            warnings.warn(f"{path}:{number}: skipping an unreadable record ({err}); its cell runs again",
+                          stacklevel=2)
             continue
-        by_key[key] = record
+        by_key[record["key"]] = record
     return list(by_key.values())
+
+
+def _parse_record(line: bytes, where: str) -> dict:
+    """One record line, checked for the fields the runner and the summaries use."""
+    if len(line) > MAX_RECORD_BYTES:
+        raise ValueError(f"{where}: a record of {len(line)} bytes, more than {MAX_RECORD_BYTES}")
+    record = parse_json(line, where)
+    if not isinstance(record, dict) or not isinstance(record.get("key"), str):
+        raise ValueError(f"{where}: a record must be an object with a string key")
+    for name in ("params", "result"):
+        if name in record and not isinstance(record[name], dict):
+            raise ValueError(f"{where}: the record's {name} must be an object, got {type(record[name]).__name__}")
+    return record
 
 
 def _whole_record(line: bytes) -> bool:
@@ -322,10 +357,10 @@ def _whole_record(line: bytes) -> bool:
     if not line.strip():
         return False
     try:
-        record = json.loads(line)
+        _parse_record(line, "record")
     except ValueError:
         return False
-    return isinstance(record, dict) and "key" in record
+    return True
 
 
 def cut_partial_tail(path) -> None:
@@ -337,7 +372,8 @@ def cut_partial_tail(path) -> None:
     path = Path(path)
     if not path.exists():
         return
-    with open(path, "rb+") as f:
+    fd = os.open(path, os.O_RDWR | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb+") as f:
         size = f.seek(0, os.SEEK_END)
         if size == 0:
             return
@@ -380,7 +416,8 @@ def _last_line(f, size: int, limit: int = 1 << 24) -> bytes:
 def append_record(path, record: dict) -> None:
     """Append one record as one line, then flush and fsync (durable before returning)."""
     line = (json.dumps(record, sort_keys=True, allow_nan=False) + "\n").encode()
-    with open(path, "ab") as f:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, file_mode())
+    with os.fdopen(fd, "ab") as f:
         f.write(line)
         f.flush()
         os.fsync(f.fileno())
@@ -394,8 +431,10 @@ def _locked(path: Path):
     except ImportError:  # pragma: no cover - Windows: no lock
         yield
         return
-    lock_path = path.with_name(f".{path.name}.lock")
-    with open(lock_path, "w") as handle:
+    lock_path = check_write_target(path.with_name(f".{path.name}.lock"), path.parent, what="lock file")
+    # Opened without truncating, without following a symlink and without blocking on a FIFO.
+    fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), file_mode())
+    with os.fdopen(fd, "w") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -614,7 +653,11 @@ def run(experiments: Iterable[Experiment] | Experiment, settings: Settings | Non
     out.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         for experiment in experiments:
-            path = out / f"{experiment.name}.jsonl"
+            path = check_write_target(out / f"{experiment.name}.jsonl", out, what="results file")
+            if summarise and (out / experiment.name).is_symlink():  # tables and plots go there: never through a link
+                raise ValueError(f"{out / experiment.name}: the summary folder is a symlink (to "
+                                 f"{os.readlink(out / experiment.name)}); refusing to write through it -- remove it "
+                                 f"or use another --out")
             stack.enter_context(_locked(path))
             cut_partial_tail(path)
         tasks, done = plan(experiments, settings, out)

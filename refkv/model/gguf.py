@@ -215,11 +215,14 @@ def read_gguf(path, dtype=np.float32, *, weights: bool = True) -> GGUFModel:
     if not path.is_file():
         raise ModelNotFoundError(f"GGUF file not found: {path}")
     reader = _open(path)
-    metadata = {name: _field_value(field) for name, field in reader.fields.items()
-                if not _is_array(field)}
-    tensors = {t.name: t for t in reader.tensors}
-    config = _config(reader, tensors, path)
-    vocab = _vocab(reader) if "tokenizer.ggml.tokens" in reader.fields else None
+    try:
+        metadata = {name: _field_value(field) for name, field in reader.fields.items()
+                    if not _is_array(field)}
+        tensors = {t.name: t for t in reader.tensors}
+        config = _config(reader, tensors, path)
+        vocab = _vocab(reader, path) if "tokenizer.ggml.tokens" in reader.fields else None
+    except UnicodeDecodeError as err:  # a metadata string (a key's value, a token) of bytes that are not text
+        raise GGUFError(f"{path}: a metadata string is not UTF-8 ({err}); the file is corrupt") from None
     _check_tensors(tensors, config, path)
     arch = metadata["general.architecture"]
     model_weights = _weights(tensors, config, dtype, arch in PERMUTED_ARCHITECTURES, path) if weights else None
@@ -333,7 +336,9 @@ def _config(reader, tensors: dict, path: Path) -> ModelConfig:
     n_layers = count("block_count")
     blocks = {int(name.split(".")[1]) for name in tensors
               if name.startswith("blk.") and name.split(".")[1].isdigit()}
-    if n_layers > len(blocks) or any(i not in blocks for i in range(n_layers)):
+    # Compared by size first (4e9 layers must not build a 4e9-entry set); more blocks than
+    # the count would otherwise run silently as a shallower model.
+    if n_layers != len(blocks) or blocks != set(range(n_layers)):
         # before anything is sized by it: 4e9 layers would otherwise mean a 4e9-entry table
         raise GGUFError(f"{path}: metadata {arch}.block_count = {n_layers}, but the file holds tensors for "
                         f"{len(blocks)} blocks")
@@ -404,17 +409,23 @@ def _rope_freq_factors(tensor, d_head: int, path: Path) -> tuple[float, ...]:
     return tuple(float(v) for v in values)
 
 
-def _vocab(reader) -> GGUFVocab:
+def _vocab(reader, path: Path | str = "GGUF file") -> GGUFVocab:
     fields = reader.fields
 
     def get(key, default=None):
         return _field_value(fields[key]) if key in fields else default
 
+    tokens = tuple(_array_strings(fields["tokenizer.ggml.tokens"]))
+
     def get_id(key):
         value = get(key)
-        return None if value is None else int(value)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < len(tokens):
+            raise GGUFError(f"{path}: metadata {key} = {value!r} is not a token id in [0, {len(tokens) - 1}] "
+                            f"(tokenizer.ggml.tokens has {len(tokens)})")
+        return value
 
-    tokens = tuple(_array_strings(fields["tokenizer.ggml.tokens"]))
     if "tokenizer.ggml.token_type" in fields:
         token_types = _array_numbers(fields["tokenizer.ggml.token_type"]).astype(np.int32)
     else:
@@ -432,7 +443,13 @@ def _vocab(reader) -> GGUFVocab:
         token_types=token_types, merges=tuple(merges), bos_id=get_id("tokenizer.ggml.bos_token_id"),
         eos_id=get_id("tokenizer.ggml.eos_token_id"), unk_id=get_id("tokenizer.ggml.unknown_token_id"),
         pad_id=get_id("tokenizer.ggml.padding_token_id"), add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
-        chat_template=get("tokenizer.chat_template"))
+        chat_template=_template(get("tokenizer.chat_template"), path))
+
+
+def _template(value, path) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise GGUFError(f"{path}: metadata tokenizer.chat_template must be a string, got {type(value).__name__}")
+    return value
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -554,38 +571,46 @@ def read_block_count(path) -> int | None:
             raise EOFError
         return struct.unpack(fmt, data)[0]
 
-    def skip_value(f, kind):
+    def length(f, unit: int = 1) -> int:
+        """A length or count read from the file, checked against the bytes left before use."""
+        n = unpack(f, "<Q")
+        if n * unit > size - f.tell():  # a string of 2**62 bytes cannot be in this file
+            raise ValueError(f"length {n} beyond the end of the file")
+        return n
+
+    def skip_value(f, kind, depth=0):
         if kind in _SCALAR_FORMATS:
             f.seek(struct.calcsize(_SCALAR_FORMATS[kind]), os.SEEK_CUR)
         elif kind == 8:
-            f.seek(unpack(f, "<Q"), os.SEEK_CUR)
-        elif kind == 9:
-            inner, count = unpack(f, "<I"), unpack(f, "<Q")
+            f.seek(length(f), os.SEEK_CUR)
+        elif kind == 9 and depth < 4:
+            inner = unpack(f, "<I")
             if inner in _SCALAR_FORMATS:
-                f.seek(count * struct.calcsize(_SCALAR_FORMATS[inner]), os.SEEK_CUR)
+                f.seek(length(f, struct.calcsize(_SCALAR_FORMATS[inner])), os.SEEK_CUR)
             else:
-                for _ in range(count):
-                    skip_value(f, inner)
+                for _ in range(length(f, 8)):  # every element takes at least 8 bytes
+                    skip_value(f, inner, depth + 1)
         else:
             raise ValueError(f"unknown GGUF value type {kind}")
 
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             if f.read(4) != b"GGUF" or unpack(f, "<I") < 2:
                 return None
             unpack(f, "<Q")  # tensor count
             n_kv = unpack(f, "<Q")
             architecture = None
             for _ in range(min(n_kv, 1 << 16)):
-                key = f.read(unpack(f, "<Q")).decode("utf-8", "replace")
+                key = f.read(length(f)).decode("utf-8", "replace")
                 kind = unpack(f, "<I")
                 if key == "general.architecture" and kind == 8:
-                    architecture = f.read(unpack(f, "<Q")).decode("utf-8", "replace")
+                    architecture = f.read(length(f)).decode("utf-8", "replace")
                 elif architecture is not None and key == f"{architecture}.block_count" and kind in _SCALAR_FORMATS:
                     count = unpack(f, _SCALAR_FORMATS[kind])
                     return int(count) if 1 <= count <= 1 << 16 else None
                 else:
                     skip_value(f, kind)
-    except (OSError, EOFError, ValueError, struct.error):
+    except (OSError, EOFError, ValueError, OverflowError, struct.error):
         return None
     return None

@@ -39,13 +39,15 @@ Loading with a tokenizer (``refkv generate``, experiments) requires it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
 
 import numpy as np
 
-from ..validation import check_float, check_int
+from ..files import load_json, parse_json
+from ..validation import check_float, check_int, shown
 from .config import ModelConfig
 from .gguf import GGUFVocab, ModelNotFoundError
 from .weights import LayerWeights, ModelWeights
@@ -64,12 +66,23 @@ class CheckpointError(ValueError):
     """A checkpoint directory refkv cannot use."""
 
 
-def read_json(file: Path):
-    """The parsed JSON of ``file``; a :class:`CheckpointError` naming the file if it is not JSON."""
+#: Largest ``config.json`` / ``tokenizer_config.json`` read (real ones are a few kB).
+MAX_CONFIG_BYTES = 16 * 2**20
+#: Largest ``tokenizer.json`` read (a 150k-token vocabulary with its merges is about 10 MB).
+MAX_TOKENIZER_BYTES = 128 * 2**20
+#: Token ids may exceed the number of tokens a ``tokenizer.json`` lists by at most this
+#: many (reserved ranges); a larger id would size the token table from a typo or a lie.
+MAX_TOKEN_ID_GAP = 2**16
+
+
+def read_json(file: Path, max_bytes: int = MAX_CONFIG_BYTES):
+    """The parsed JSON of ``file`` (:func:`refkv.files.load_json`: a regular file of at most
+    ``max_bytes``, standard JSON, bounded depth, no repeated key); a :class:`CheckpointError`
+    naming the file otherwise."""
     try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{file}: not valid JSON: {err}") from err
+        return load_json(file, max_bytes, what=file.name, allow_constants=True)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def _header_entry(path: Path, name, info, data_size: int) -> tuple[str, tuple[int, ...], int, int]:
@@ -81,10 +94,11 @@ def _header_entry(path: Path, name, info, data_size: int) -> tuple[str, tuple[in
         if key not in info:
             raise CheckpointError(f"{where}: header entry has no {key!r}")
     kind, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if kind not in _DTYPES:
+    if not isinstance(kind, str) or kind not in _DTYPES:
         raise CheckpointError(f"{where} has dtype {kind}; supported: {', '.join(_DTYPES)}")
-    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
-        raise CheckpointError(f"{where}: 'shape' must be a list of integers >= 0, got {shape!r}")
+    if not isinstance(shape, list) or not all(type(n) is int and 0 <= n <= max(data_size, 1) for n in shape):
+        raise CheckpointError(f"{where}: 'shape' must be a list of integers in [0, {max(data_size, 1)}] (the "
+                              f"file's data bytes), got {shown(shape)}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)):
         raise CheckpointError(f"{where}: 'data_offsets' must be two integers [start, stop], got {offsets!r}")
     start, stop = offsets
@@ -110,18 +124,22 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
     n = int(raw[:8].view("<u8")[0])
     if n > _MAX_HEADER or 8 + n > raw.size:
         raise CheckpointError(f"{path}: header length {n} is impossible for a {raw.size}-byte file")
-    try:
-        header = json.loads(bytes(raw[8:8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: the header is not JSON: {err}") from err
+    try:  # depth-capped, and a tensor name given twice is refused (the last would silently win)
+        header = parse_json(bytes(raw[8:8 + n]), f"{path}: the header")
+    except ValueError as err:
+        raise CheckpointError(str(err).replace("the header: not valid JSON", "the header is not JSON")) from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the header must be a JSON object, got {type(header).__name__}")
     data = raw[8 + n:]
+    entries = {name: _header_entry(path, name, info, data.size) for name, info in header.items()
+               if name != "__metadata__"}
+    spans = sorted((start, stop, name) for name, (_, _, start, stop) in entries.items() if stop > start)
+    for (_, stop, first), (start, _, second) in itertools.pairwise(spans):
+        if start < stop:  # as the safetensors library: every tensor has bytes of its own
+            raise CheckpointError(f"{path}: tensors {first!r} and {second!r} share bytes (their data_offsets "
+                                  f"overlap); the header is inconsistent")
     tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        kind, shape, start, stop = _header_entry(path, name, info, data.size)
+    for name, (kind, shape, start, stop) in entries.items():
         array = data[start:stop].view(_DTYPES[kind]).reshape(shape)
         if kind == "BF16":
             array = (array.astype(np.uint32) << 16).view(np.float32)
@@ -221,7 +239,7 @@ def _rope(f: _Fields) -> dict:
 
 def _config(path: Path) -> ModelConfig:
     file = path / "config.json"
-    if not file.is_file():
+    if not file.exists():  # a FIFO or device there is refused by read_json, naming what it is
         raise ModelNotFoundError(f"{path} has no config.json; not a Hugging Face checkpoint directory")
     cfg = read_json(file)
     if not isinstance(cfg, dict):
@@ -300,7 +318,7 @@ def read_checkpoint(path, dtype=np.float32, *, tokenizer: bool = True):
     weights = _weights(path, config, tensors, dtype)
     tok = None
     if tokenizer:
-        tok = tokenizer_of(path)
+        tok = tokenizer_of(path, config.vocab_size)
     return config, weights, tok
 
 
@@ -351,7 +369,7 @@ def _weights(path: Path, c: ModelConfig, tensors: dict, dtype) -> ModelWeights:
     return weights
 
 
-def tokenizer_of(path):
+def tokenizer_of(path, vocab_size: int | None = None):
     """The :class:`~refkv.model.tokenizer.Tokenizer` of a directory's ``tokenizer.json``, used as it is.
 
     The ``tokenizers`` object read from the file does the encoding (its own normalizer and
@@ -360,7 +378,7 @@ def tokenizer_of(path):
     """
     from .tokenizer import Tokenizer
 
-    vocab = vocab_from_tokenizer_json(path)
+    vocab = vocab_from_tokenizer_json(path, None if vocab_size is None else vocab_size - 1)
     try:
         from tokenizers import Tokenizer as Backend
     except ImportError as err:
@@ -374,8 +392,12 @@ def tokenizer_of(path):
     return Tokenizer(vocab, backend=backend)
 
 
-def vocab_from_tokenizer_json(path) -> GGUFVocab:
+def vocab_from_tokenizer_json(path, max_id: int | None = None) -> GGUFVocab:
     """A :class:`~refkv.model.gguf.GGUFVocab` from a directory's ``tokenizer.json``.
+
+    Every token id is checked before the token table is sized by it: an integer in
+    ``[0, max_id]`` (default: the number of tokens listed plus :data:`MAX_TOKEN_ID_GAP`;
+    :func:`read_checkpoint` passes the model's ``vocab_size - 1``).
 
     Raises
     ------
@@ -384,31 +406,49 @@ def vocab_from_tokenizer_json(path) -> GGUFVocab:
     """
     path = Path(path)
     file = path / "tokenizer.json"
-    spec = read_json(file)
+    spec = read_json(file, MAX_TOKENIZER_BYTES)
+    if not isinstance(spec, dict):
+        raise CheckpointError(f"{file}: must hold a JSON object, got {type(spec).__name__}")
     try:
-        return _vocab(path, spec)
+        return _vocab(path, spec, max_id)
     except (KeyError, TypeError, AttributeError, IndexError) as err:
         raise CheckpointError(f"{file}: malformed tokenizer ({type(err).__name__}: {err})") from err
 
 
-def _vocab(path: Path, spec) -> GGUFVocab:
+def _vocab(path: Path, spec, max_id: int | None = None) -> GGUFVocab:
+    file = path / "tokenizer.json"
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
-        raise CheckpointError(f"{path / 'tokenizer.json'}: only byte-level BPE tokenizers are supported")
+        raise CheckpointError(f"{file}: only byte-level BPE tokenizers are supported")
     vocab = dict(model["vocab"])
-    for added in spec.get("added_tokens", []):
+    added_tokens = spec.get("added_tokens", [])
+    if not isinstance(added_tokens, list) or not all(isinstance(a, dict) for a in added_tokens):
+        raise CheckpointError(f"{file}: added_tokens must be a list of objects")
+    for added in added_tokens:
         vocab[added["content"]] = added["id"]
+    if max_id is None:
+        max_id = len(vocab) - 1 + MAX_TOKEN_ID_GAP
+    for token, i in vocab.items():  # before the table is sized by the largest id
+        if not isinstance(token, str) or isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= max_id:
+            raise CheckpointError(f"{file}: token {shown(token, 40)} has id {shown(i)}; ids must be integers in "
+                                  f"[0, {max_id}] (the model's vocabulary)")
     size = max(vocab.values()) + 1
     tokens = [""] * size
     for token, i in vocab.items():
         tokens[i] = token
     types = np.ones(size, dtype=np.int32)
-    for added in spec.get("added_tokens", []):
+    for added in added_tokens:
         types[added["id"]] = 3 if added.get("special") else 4
     merges = tuple(tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges", []))
     settings = {}
     if (path / "tokenizer_config.json").is_file():
         settings = read_json(path / "tokenizer_config.json")
+        if not isinstance(settings, dict):
+            raise CheckpointError(f"{path / 'tokenizer_config.json'}: must hold a JSON object")
+        template = settings.get("chat_template")
+        if template is not None and not isinstance(template, str):
+            raise CheckpointError(f"{path / 'tokenizer_config.json'}: chat_template must be a string (a Jinja "
+                                  f"template) or absent, got {type(template).__name__}")
 
     def token_id(key):
         value = settings.get(key)

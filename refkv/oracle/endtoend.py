@@ -241,8 +241,11 @@ def read_end_to_end(path, *, candidate: bool = False) -> EndToEnd:
     m = read_json(path)
     check_header(m, E2E_SCHEMA, where)
     index = require(m, "arrays", where)
-    npz_path = path.parent / require(index, "file", f"{where}: arrays")
-    contents = require(index, "contents", f"{where}: arrays")
+    file, contents = require(index, "file", f"{where}: arrays"), require(index, "contents", f"{where}: arrays")
+    if not isinstance(file, str) or Path(file).name != file or not isinstance(contents, dict):
+        raise ValueError(f"{where}: arrays.file must be a file name beside the manifest and arrays.contents an "
+                         f"object, got {type(file).__name__} {str(file)[:60]!r} and {type(contents).__name__}")
+    npz_path = path.parent / file
     arrays = read_npz(npz_path)
     if "sha256" in index and not candidate:  # a candidate may reuse the reference's manifest
         actual = sha256(npz_path.read_bytes())
@@ -259,7 +262,10 @@ def read_end_to_end(path, *, candidate: bool = False) -> EndToEnd:
         if name not in contents:
             continue
         spec = contents[name]
-        declared = tuple(require(spec, "shape", f"{where}: arrays.contents.{name}"))
+        declared = require(spec, "shape", f"{where}: arrays.contents.{name}")
+        if not isinstance(declared, list):
+            raise ValueError(f"{where}: arrays.contents.{name}.shape must be a list, got {type(declared).__name__}")
+        declared = tuple(declared)
         if a.shape != declared:
             raise ValueError(f"{npz_path}: shape mismatch: array {name!r} has shape {a.shape}, "
                              f"the manifest says {declared}")

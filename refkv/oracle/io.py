@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..files import atomic_write as _atomic_write
+from ..files import parse_json, read_regular
 from .schema import ARRAY_DTYPES
 
 __all__ = ["atomic_write", "dumps", "npz_bytes", "read_json", "read_npz", "sha256", "write_json", "write_npz"]
@@ -88,10 +89,6 @@ def write_json(path, obj) -> bytes:
     return data
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"non-standard JSON constant {name}; non-finite floats are written as strings")
-
-
 def _regular_file(path: Path) -> os.stat_result:
     """``path``'s stat if it is a regular file (after symlinks); ValueError otherwise.
 
@@ -121,24 +118,16 @@ MAX_NPZ_BYTES = 2**30
 def read_json(path, *, max_bytes: int = MAX_JSON_BYTES) -> dict:
     """Parse a JSON file; ValueError (naming the file) if it is not valid standard JSON.
 
-    Refuses anything but a regular file, and files over ``max_bytes``, before reading.
+    Read with :func:`refkv.files.read_regular` and :func:`refkv.files.parse_json`: anything
+    but a regular file, and files over ``max_bytes``, are refused before reading; more than
+    :data:`refkv.files.MAX_JSON_ITEMS` values before parsing; nesting deeper than
+    :data:`refkv.files.MAX_JSON_DEPTH`, ``NaN``/``Infinity`` and a key given twice in one
+    object (``"kept"`` twice would otherwise silently mean the last) are refused too.
     """
     path = Path(path)
-    st = _regular_file(path)
-    if st.st_size > max_bytes:
-        raise ValueError(f"{path}: {st.st_size} bytes, more than the {max_bytes} a golden JSON file may have")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text: {err}") from None
-    try:
-        obj = json.loads(text, parse_constant=_reject_constant)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON: {err}") from None
-    except RecursionError:
-        raise ValueError(f"{path}: JSON nested too deeply") from None
+    _regular_file(path)  # the golden files' own wording for a FIFO, device or folder
+    data = read_regular(path, max_bytes, what="golden JSON file")
+    obj = parse_json(data, str(path))
     if not isinstance(obj, dict):
         raise ValueError(f"{path}: the top level must be a JSON object")
     return obj

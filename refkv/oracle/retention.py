@@ -251,11 +251,18 @@ def compare_ranking(actual, desired, tolerance, positions, compared) -> str | No
 
     For declared ``monotone`` scores: if ``s_i - s_j > tol_i + tol_j`` then the candidate
     must not score ``i`` below ``j`` (equal is allowed: a monotone transform may merge
-    values). Only ``compared`` columns (not pinned, finite) take part. Returns the
-    failure's text, or None.
+    values). Only ``compared`` columns (not pinned, finite in the reference) take part, and
+    there the candidate's score must be finite too: a monotone transform of a finite score
+    is finite, and a NaN compares false with everything (all-NaN scores would otherwise
+    flip no pair and pass). Returns the failure's text, or None.
     """
     for h in range(desired.shape[0]):
-        cols = np.flatnonzero(compared[h] & np.isfinite(desired[h]) & np.isfinite(actual[h]))
+        bad = np.flatnonzero(compared[h] & np.isfinite(desired[h]) & ~np.isfinite(actual[h]))
+        if bad.size:
+            c = bad[0]
+            return (f"head {h}: position {int(positions[h, c])} has the non-finite score {actual[h, c]} in the "
+                    f"candidate, {desired[h, c]:g} in the reference ({bad.size} such positions in this head)")
+        cols = np.flatnonzero(compared[h] & np.isfinite(desired[h]))
         s, a, t = desired[h, cols], actual[h, cols], tolerance[h, cols]
         ordered = (s[:, None] - s[None, :]) > (t[:, None] + t[None, :])
         flipped = ordered & (a[:, None] < a[None, :])

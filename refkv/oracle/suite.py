@@ -592,10 +592,13 @@ def _safe_path(root: Path, rel, where: str) -> str:
 
 
 def _old_index(out: Path, regenerated: set[str]) -> dict | None:
-    """The existing ``suite.json`` of ``out``, every path checked (None if there is none).
+    """The existing ``suite.json`` of ``out``, every field the merge uses checked (None if there is none).
 
-    The files of the policies that are kept must match their checksums: a merge never
-    publishes a suite that fails them.
+    Checked before anything is generated: ``policies`` a list of names, every entry an
+    object with a suite-file ``path``, a ``kind`` of ``vectors`` or ``e2e`` and a
+    ``policy`` named in ``policies``, ``skipped`` a list. The files of the policies that
+    are kept must match their checksums, the ``.npz`` of an end-to-end golden too: a merge
+    never publishes a suite that fails them.
     """
     path = out / "suite.json"
     if not path.exists():
@@ -603,19 +606,34 @@ def _old_index(out: Path, regenerated: set[str]) -> dict | None:
     where = str(path)
     index = read_json(path)
     check_header(index, SUITE_SCHEMA, where)
+    policies = index.get("policies", [])
+    if not isinstance(policies, list) or not all(isinstance(p, str) for p in policies):
+        raise ValueError(f"{where}: policies must be a list of policy names, got {policies!r:.80}")
     files = require(index, "files", where)
     if not isinstance(files, list):
         raise ValueError(f"{where}: files must be a list")
+    if not isinstance(index.get("skipped", []), list):
+        raise ValueError(f"{where}: skipped must be a list, got {index['skipped']!r:.80}")
     for i, entry in enumerate(files):
-        _safe_path(out, require(entry, "path", f"{where}: files[{i}]"), f"{where}: files[{i}]")
-        require(entry, "policy", f"{where}: files[{i}]")
+        at = f"{where}: files[{i}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{at} must be an object")
+        _safe_path(out, require(entry, "path", at), at)
+        policy = require(entry, "policy", at)
+        if not isinstance(policy, str) or policy not in policies:
+            raise ValueError(f"{at}: policy {policy!r:.80} is not one of the suite's policies")
+        if entry.get("kind") not in ("vectors", "e2e"):
+            raise ValueError(f"{at}: kind must be 'vectors' or 'e2e', got {entry.get('kind')!r:.80}")
     for entry in files:
         if entry["policy"] in regenerated:
             continue
-        file = out / entry["path"]
-        if not file.is_file() or sha256(file.read_bytes()) != entry.get("sha256"):
-            raise ValueError(f"{file}: missing or checksum mismatch with {where}, so the existing suite cannot be "
-                             f"merged into; regenerate policy {entry['policy']!r} too (or every policy)")
+        checked = [(out / entry["path"], entry.get("sha256"))]
+        if entry["kind"] == "e2e":
+            checked.append(((out / entry["path"]).with_suffix(".npz"), entry.get("npz_sha256")))
+        for file, digest in checked:
+            if not file.is_file() or sha256(file.read_bytes()) != digest:
+                raise ValueError(f"{file}: missing or checksum mismatch with {where}, so the existing suite cannot "
+                                 f"be merged into; regenerate policy {entry['policy']!r} too (or every policy)")
     return index
 
 
@@ -651,10 +669,17 @@ def _apply(out: Path) -> None:
     Idempotent: after an interruption it is run again and finishes the same move.
     """
     stage = out / STAGING
-    journal = read_json(stage / _COMMITTED)
     where = str(stage / _COMMITTED)
-    moves = [_safe_path(out, rel, where) for rel in require(journal, "files", where)]
-    stale = [_safe_path(out, rel, where) for rel in require(journal, "remove", where)]
+    try:
+        journal = read_json(stage / _COMMITTED)
+        moves = [_safe_path(out, rel, where) for rel in _journal_list(journal, "files", where)]
+        stale = [_safe_path(out, rel, where) for rel in _journal_list(journal, "remove", where)]
+    except ValueError as err:
+        # Nothing was moved yet: dropping the staging folder leaves the old suite as it was,
+        # and no state that only deleting .refkv-generate by hand would repair.
+        _remove_tree(stage)
+        raise ValueError(f"{err} (the unfinished generation in {stage} was discarded; the suite is as "
+                         f"before it)") from None
     for rel in moves:
         for name in (rel, rel[:-len(".json")] + ".npz"):
             src = stage / name
@@ -670,6 +695,13 @@ def _apply(out: Path) -> None:
     for folder in sorted({(out / rel).parent for rel in stale}, reverse=True):
         if folder != out and folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
+
+
+def _journal_list(journal: dict, key: str, where: str) -> list:
+    value = require(journal, key, where)
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: {key} must be a list of suite files, got {type(value).__name__}")
+    return value
 
 
 def recover(out) -> bool:
@@ -693,6 +725,8 @@ def recover(out) -> bool:
 def _commit(out: Path, files: dict[str, bytes], index: dict, stale: list[str]) -> None:
     stage = out / STAGING
     _remove_tree(stage)
+    for rel in sorted(rel for rel in files if rel.endswith(".json")) + stale:  # refused before anything is written
+        _safe_path(out, rel, f"generating into {out}")
     for rel, data in files.items():
         atomic_write(stage / rel, data)
     atomic_write(stage / "suite.json", dumps(index).encode("utf-8"))
@@ -731,8 +765,9 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
     :func:`os.replace`, ``suite.json`` last, and the old policies' stale files are deleted.
     A run killed before the commit record leaves the old suite untouched (the staging
     folder is deleted by the next run or read); killed after it, the next
-    :func:`read_suite` or :func:`generate_suite` finishes the move. Either way a reader sees
-    the old suite or the new one, never a mix that fails its checksums.
+    :func:`generate_suite` (or :func:`recover`) finishes the move; :func:`read_suite` refuses
+    the suite until then (a reader never writes). Either way a reader sees the old suite or
+    the new one, never a mix that fails its checksums.
     """
     out = Path(out)
     names = _policy_names(policies)
@@ -741,6 +776,9 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
     out.mkdir(parents=True, exist_ok=True)
     recover(out)
     old = _old_index(out, set(names))
+    for name in names:  # every new file's folder stays inside out (a symlinked e2e/<policy> is refused now)
+        for rel in (f"vectors/{name}.json", f"e2e/{name}/{name}.json"):
+            _safe_path(out, rel, f"generating {name} into {out}")
 
     files: dict[str, bytes] = {}
     entries, skipped = [], []
@@ -815,8 +853,9 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
 def read_suite(directory, *, verify: bool = True) -> dict:
     """Read ``suite.json`` of a suite directory; with ``verify``, check every file's sha256.
 
-    A generation that was interrupted after its commit point is finished first (see
-    :func:`generate_suite`).
+    Never writes: a generation interrupted after its commit point (see
+    :func:`generate_suite`) is refused, to be finished by the writer
+    (:func:`recover`, which ``refkv golden generate`` runs first).
 
     Raises
     ------
@@ -826,12 +865,12 @@ def read_suite(directory, *, verify: bool = True) -> dict:
     """
     directory = Path(directory)
     stage = directory / STAGING
-    if (stage / _COMMITTED).is_file():
-        try:
-            recover(directory)
-        except OSError as err:
-            raise ValueError(f"{directory}: a generation was interrupted while publishing its files and cannot "
-                             f"be finished here ({err}); run refkv golden generate again") from None
+    if (stage / _COMMITTED).exists() or (stage / _COMMITTED).is_symlink():
+        # A reader never writes: finishing the publication (moving and deleting files) is
+        # left to the writer, refkv golden generate, which checks the commit record first.
+        raise ValueError(f"{directory}: a generation was interrupted while publishing its files "
+                         f"({stage / _COMMITTED} exists); a check never writes, so finish it with refkv golden "
+                         f"generate --out {directory} (or refkv.oracle.suite.recover) and check again")
     path = directory / "suite.json"
     if not path.exists():
         raise ValueError(f"{directory} is not a golden suite: it has no suite.json")

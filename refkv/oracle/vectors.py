@@ -525,6 +525,8 @@ def _read_case(obj: dict, params: dict, policy: str, where: str, candidate: bool
     case_id = _int(obj, "id", where)
     where = f"{where} (id {case_id})"
     outputs_obj = require(obj, "outputs", where)
+    if not isinstance(outputs_obj, dict) or not isinstance(obj.get("flags", []), list):
+        raise ValueError(f"{where}: outputs must be an object and flags a list")
     if candidate:
         outputs = {name: decode_array(outputs_obj[name], f"{where}: outputs.{name}")
                    for name in ("scores", "protected", "kept") if name in outputs_obj}
@@ -686,8 +688,13 @@ def read_vectors(path, *, candidate: bool = False) -> VectorFile:
     cases, seen = [], set()
     for g, group in enumerate(groups):
         gwhere = f"{where}: groups[{g}]"
+        if not isinstance(group, dict):
+            raise ValueError(f"{gwhere}: expected a JSON object, got {type(group).__name__}")
         params = require(group, "params", gwhere) if not candidate else group.get("params", {})
-        for i, case in enumerate(require(group, "cases", gwhere)):
+        group_cases = require(group, "cases", gwhere)
+        if not isinstance(group_cases, list) or not isinstance(params, dict):
+            raise ValueError(f"{gwhere}: cases must be a list and params an object")
+        for i, case in enumerate(group_cases):
             c = _read_case(case, params, policy, f"{gwhere}.cases[{i}]", candidate)
             if c.id in seen:
                 raise ValueError(f"{gwhere}.cases[{i}]: duplicate case id {c.id}")

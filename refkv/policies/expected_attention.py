@@ -60,7 +60,7 @@ import numpy as np
 from ..attention import softmax
 from ..model.config import ModelConfig
 from ..model.layers import apply_rope, rope_angles, rope_frequencies_of
-from ..validation import check_float, check_int
+from ..validation import MAX_CONTEXT, check_float, check_int
 from .base import Policy, View, first_tokens, register
 
 __all__ = ["ExpectedAttention", "averaged_rotation", "expected_logits", "query_statistics", "unrotated_queries"]
@@ -165,7 +165,7 @@ class ExpectedAttention(Policy):
     epsilon: float = 0.0
 
     def __post_init__(self):
-        check_int("n_future_positions", self.n_future_positions, 1)
+        check_int("n_future_positions", self.n_future_positions, 1, MAX_CONTEXT)
         check_int("n_sink", self.n_sink, 0)
         for flag in ("use_covariance", "use_vnorm"):
             if not isinstance(getattr(self, flag), (bool, np.bool_)):

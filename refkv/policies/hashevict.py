@@ -57,6 +57,9 @@ from ..lsh import gaussian_planes, hamming, pack_codes, simhash
 from ..model.config import ModelConfig
 from .base import Policy, View, check_int, first_tokens, recent_tokens, register
 
+#: Most SimHash bits per code (the paper uses 16; 1024 bits already cost 128 bytes per token and head).
+MAX_BITS = 1024
+
 __all__ = ["CODE_FIELD", "HashEvict", "hamming_scores"]
 
 #: Name of the cache field holding each token's packed key code.
@@ -127,7 +130,7 @@ class HashEvict(Policy):
     seed: int = 0
 
     def __post_init__(self):
-        check_int("n_bits", self.n_bits, 1)
+        check_int("n_bits", self.n_bits, 1, MAX_BITS)  # bounded: d x n_bits planes, codes per token
         check_int("sink", self.sink, 0)
         check_int("recent", self.recent, 0)
         check_int("seed", self.seed, 0)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model.config import ModelConfig
+from ..validation import MAX_CONTEXT
 from .base import Policy, View, check_int, recent_tokens, register
 
 __all__ = ["POOLINGS", "SnapKV", "pool1d", "window_attention"]
@@ -147,8 +148,8 @@ class SnapKV(Policy):
     pooling: str = "avg"
 
     def __post_init__(self):
-        check_int("window", self.window, 1)
-        check_int("kernel", self.kernel, 1)
+        check_int("window", self.window, 1, MAX_CONTEXT)
+        check_int("kernel", self.kernel, 1, MAX_CONTEXT + 1)
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd (output aligned with the tokens), got {self.kernel}")
         if self.pooling not in POOLINGS:
