@@ -140,8 +140,8 @@ retrieving one fact needed more).
     "choosing-figure": """\
 .. figure:: ../_static/choosing/quality_vs_budget.svg
    :alt: Left: perplexity increase over no eviction against the budget N, one line per
-         policy with its 95% interval as a bar (shifted sideways a little per policy), log scale. Right: passkey accuracy at N = 256
-         per policy with Wilson 95% intervals.
+         policy with its 95% interval as a bar (shifted sideways a little per policy), log
+         scale. Right: passkey accuracy at N = 256 per policy with Wilson 95% intervals.
    :width: 100%
 
    Left: how much perplexity rises over no eviction ({reference}) on {texts} 1,024-token texts, at
@@ -155,8 +155,8 @@ retrieving one fact needed more).
 """,
     "choosing-task": """\
 * *Continue or summarise text* (every token matters a little): an **attention-based**
-  policy. H2O raised perplexity least: by {h2o_128} at :math:`N = 128` ({h2o_128_percent} of {reference}) and {h2o_256} at
-  :math:`N = 256` ({h2o_256_percent}), with SnapKV and TOVA close behind ({snapkv_tova_128} and {snapkv_tova_256}; the
+  policy. H2O raised perplexity least: by {h2o_128} at :math:`N = 128` ({h2o_128_percent} of
+  {reference}) and {h2o_256} at :math:`N = 256` ({h2o_256_percent}), with SnapKV and TOVA close behind ({snapkv_tova_128} and {snapkv_tova_256}; the
   intervals of these three overlap). CAOTE on top of H2O made no difference that these
   samples can resolve ({caote_128} and {caote_256}).
 * *Find one fact far back in a long prompt* (retrieval, the passkey test): **KeyDiff**.
@@ -195,8 +195,8 @@ of them on a real passage.
 **How is the prompt processed?** With block processing (a long prompt read in blocks of
 :math:`B` under the budget, KeyDiff Eq. 6) every policy sees only part of the prompt when
 it evicts. The attention-based policies suffered most from it in the passkey test (TOVA
-{tova_oneshot} one-shot, {tova_blocks} with :math:`B = 128`); KeyDiff barely ({keydiff_oneshot} and {keydiff_blocks}). HashEvict and MAT
-evict before attention and need :math:`B` below :math:`N` (refkv tells you the limit).
+{tova_oneshot} one-shot, {tova_blocks} with :math:`B = 128`); KeyDiff barely ({keydiff_oneshot} and
+{keydiff_blocks}). HashEvict and MAT evict before attention and need :math:`B` below :math:`N` (refkv tells you the limit).
 """,
     "choosing-budget": """\
 **Which budget?** On these prompts, :math:`N` of about a quarter of the prompt

@@ -182,8 +182,8 @@ def test_calibration_picks_the_largest_length_at_the_ceiling():
 
 
 def test_records_become_the_registered_comparisons():
-    from refkv.experiments.registered import chosen_mat, passkey_comparisons, perplexity_comparisons
     from refkv.experiments.perplexity import registered_texts
+    from refkv.experiments.registered import chosen_mat, passkey_comparisons, perplexity_comparisons
 
     rng = np.random.default_rng(0)
     records = []
@@ -191,7 +191,8 @@ def test_records_become_the_registered_comparisons():
         base = {"purpose": "test", "length": 1024, "sample": s}
         for policy in ("keydiff", "snapkv", "tova", "h2o"):
             for block in (128, None):
-                records.append(_record({**base, "policy": policy, "block": block}, {"correct": bool(rng.random() < 0.5)}))
+                correct = {"correct": bool(rng.random() < 0.5)}
+                records.append(_record({**base, "policy": policy, "block": block}, correct))
     comparisons = passkey_comparisons(records)
     assert [(c.claim, c.a, c.b) for c in comparisons] == [
         ("P1", "keydiff", "snapkv"), ("P1", "keydiff", "tova"), ("P1", "keydiff", "h2o"),
