@@ -157,7 +157,8 @@ retrieving one fact needed more).
 * *Continue or summarise text* (every token matters a little): an **attention-based**
   policy. H2O raised perplexity least: by {h2o_128} at :math:`N = 128` ({h2o_128_percent} of
   {reference}) and {h2o_256} at :math:`N = 256` ({h2o_256_percent}), with SnapKV and TOVA close
-  behind ({snapkv_tova_128} and {snapkv_tova_256}; the intervals of these three overlap). CAOTE on top of H2O made no difference that these
+  behind ({snapkv_tova_128} and {snapkv_tova_256};
+  the intervals of these three overlap). CAOTE on top of H2O made no difference that these
   samples can resolve ({caote_128} and {caote_256}).
 * *Find one fact far back in a long prompt* (retrieval, the passkey test): **KeyDiff**.
   It was the only policy that kept the needle often enough to answer: {keydiff_blocks} with blocks of
