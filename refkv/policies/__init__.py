@@ -22,6 +22,7 @@ from . import (  # noqa: F401
 )
 from .base import (
     SIGNALS,
+    AttentionNeed,
     Policy,
     View,
     available,
@@ -34,5 +35,5 @@ from .base import (
     select,
 )
 
-__all__ = ["SIGNALS", "Policy", "View", "available", "check_int", "first_tokens", "get",
+__all__ = ["SIGNALS", "AttentionNeed", "Policy", "View", "available", "check_int", "first_tokens", "get",
            "policy_class", "recent_tokens", "register", "select"]
