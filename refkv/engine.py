@@ -43,6 +43,10 @@ __all__ = ["Engine", "EngineStats", "Eviction", "Step", "Trace", "blocks", "deci
            "prefill", "step_view"]
 
 
+#: Rows (tokens) of a block that go through the MLP at once; longer blocks are sliced.
+MLP_ROWS = 1024
+
+
 @dataclass
 class EngineStats:
     """Counters an engine keeps; tests read them.
@@ -251,7 +255,16 @@ class Engine:
         self.stats.attention_materialised += step.weights is not None or step.summary is not None
         self.stats.attention_matrices += step.weights is not None
         x = x + model.attn_out(layer, step.out)  # (B, D)
-        return x + model.mlp(layer, x)  # (B, D)
+        if len(x) <= MLP_ROWS:
+            return x + model.mlp(layer, x)  # (B, D)
+        # A long block (one-shot prefill) goes through the MLP in slices of rows: each row's
+        # MLP is its own, and the (B, 2 d_ff) activations are the largest temporary of a
+        # one-shot layer once attention is tiled (50 MB at 4K tokens on SmolLM2).
+        out = np.empty_like(x)
+        for start in range(0, len(x), MLP_ROWS):
+            rows = x[start:start + MLP_ROWS]
+            out[start:start + MLP_ROWS] = rows + model.mlp(layer, rows)
+        return out  # (B, D)
 
     def _evictor(self, layer: int) -> Callable[[View, int, str], None]:
         """The ``evict`` callback of :func:`layer_step` for ``layer``: evict, then record the event."""
