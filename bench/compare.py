@@ -45,6 +45,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This checkout's refkv, not an installed one: `python bench/compare.py` puts bench/, not
+# the repository root, on sys.path (issue 27's first figures timed an installed copy).
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from harness import machine, positive_ints, rst_table, write_json
 
 INSTALL_HINT = ('bench/compare.py needs torch and transformers: pip install -e ".[interop]" from a clone '
@@ -258,7 +261,8 @@ def main(argv=None) -> dict:
     info = machine()
     print(f"{args.model} in float32, one-shot and blocks of {args.block}, {args.decode_tokens} greedy tokens; medians "
           f"of {args.repeats} interleaved repetitions; transformers {transformers.__version__}, "
-          f"torch {torch.__version__}, NumPy {np.__version__} ({info['blas']}); {info['cpus']} CPUs "
+          f"torch {torch.__version__}, NumPy {np.__version__} ({info['blas']}), refkv from "
+          f"{Path(sys.modules['refkv'].__file__).parent.parent}; {info['cpus']} CPUs "
           f"({info['processor']}), 1-min load average {min(loads):.2f}-{max(loads):.2f} "
           f"(median {statistics.median(loads):.2f}) during the runs")
     print("tokens per CPU second of the process (steady on a busy machine), speed-ups by CPU time and by wall time:")
