@@ -22,13 +22,14 @@ The report gives the absolute peak and the peak minus the RSS after loading. If 
 cannot be reset (another OS), the report says so and the load peak is shown beside it.
 
 The contrast, ``B = None`` (the whole prompt as one block, then eviction: kvpress's
-one-shot setting), holds ``T`` keys per layer and, for attention-based policies,
-materialises the (Hkv, g, T, T) weights: ``9 T^2`` floats per layer call, 2.25 GiB at
-``T = 8K`` in float32 (the engine's route keeps about one such array alive; the peak at
-8K is ~4 GiB). It runs for the attention-free policies at every length and for the
-attention-based ones up to ``--one-shot-max-tokens`` (default 8192: lower it on a
-machine with less than ~5 GB free); a length beyond it gets a figure extrapolated from
-``a + b T^2`` through the two longest runs, marked as such.
+one-shot setting), holds ``T`` keys per layer. Until issue 27 the attention-based
+policies materialised the (Hkv, g, T, T) weights there (``9 T^2`` floats per layer call,
+2.25 GiB at ``T = 8K`` in float32); now the engine forms only the rows or column sums a
+policy reads, one query tile of 128 at a time (``bench/oneshot.py`` sets one-shot beside
+blocks). It runs for the attention-free policies at every length and for the
+attention-based ones up to ``--one-shot-max-tokens`` (default 8192); a length beyond it
+gets a figure extrapolated from ``a + b T^2`` through the two longest runs, marked as
+such (an overestimate now that the growth is no longer quadratic).
 
 Run ``python bench/memory.py`` (tens of minutes on 2 cores), ``--out FILE.json`` to keep
 the raw figures, ``--report A.json B.json`` to print the tables of saved runs (merged),

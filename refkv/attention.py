@@ -1,16 +1,23 @@
 """Causal grouped-query attention of a block's queries over cache + block.
 
-Two routes give the same output:
+Three routes give the same output:
 
-* :func:`attention_weights` forms the full weight matrix ``A`` (KeyDiff Eq. 2) for
-  policies that read it (TOVA, H2O, SnapKV, ...).
-* :func:`attend` without ``return_weights`` walks the keys in chunks with the online
-  softmax recurrence of FlashAttention, so no more than a ``(B, key_chunk)`` tile of
-  weights ever exists. This is how attention-free policies (KeyDiff, L2, sink,
-  HashEvict) are shown to run without ``A``: the engine counts every call that
-  materialises it. A single query (``B = 1``, decoding) takes a shorter road to the
-  same result: its weights are one row of ``n`` numbers per head, so each query head
-  meets its KV head's keys and values in two matrix-vector products, with no tiles.
+* :func:`attention_weights` forms the full weight matrix ``A`` (KeyDiff Eq. 2), and
+  :func:`attend` with ``return_weights`` returns it beside the output: the definition,
+  which policies that read ``A`` see in the oracle's replay.
+* :func:`attend` without ``return_weights`` walks the queries in tiles of
+  ``query_chunk`` and, for each, the keys it can see in chunks of ``key_chunk``, with the
+  online softmax recurrence of FlashAttention; so no more than a ``(query_chunk,
+  key_chunk)`` tile of weights per head ever exists and key chunks wholly in a tile's
+  future are skipped. This is how attention-free policies (KeyDiff, L2, sink,
+  HashEvict) are shown to run without ``A``: the engine counts every call that forms
+  weights. A single query (``B = 1``, decoding) takes a shorter road to the same
+  result: its weights are one row of ``n`` numbers per head, so each query head meets
+  its KV head's keys and values in two matrix-vector products, with no tiles.
+* :func:`attend_summary` computes, beside the output, only what of ``A`` a policy reads
+  (:class:`AttentionNeed`: the last rows, the column sums over all queries), one query
+  tile at a time, so a one-shot prefill of ``T`` tokens holds ``O(T x query_chunk)``
+  weights per head instead of ``T x T``.
 
 Shapes: ``H`` query heads, ``Hkv`` KV heads, ``g = H / Hkv`` queries per KV head,
 ``B`` queries in the block, ``n`` keys (cache + block), ``d`` head width. The causal
@@ -20,15 +27,76 @@ holds its own set of tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .validation import check_int
 
-__all__ = ["DEFAULT_KEY_CHUNK", "NonFiniteError", "attend", "attention_weights", "causal_logits", "softmax"]
+__all__ = ["DEFAULT_KEY_CHUNK", "DEFAULT_QUERY_CHUNK", "AttentionNeed", "AttentionSummary", "NonFiniteError",
+           "attend", "attend_summary", "attention_weights", "causal_logits", "softmax"]
 
 #: Keys per tile of the online-softmax route: large enough that NumPy's per-call
 #: overhead is amortised, small enough that a tile of a 128-query block stays in cache.
 DEFAULT_KEY_CHUNK = 1024
+#: Queries per tile of the tiled routes. A one-shot prefill of ``T`` tokens is walked as
+#: ``T / 128`` tiles, each over the keys it can see: the arithmetic and the tile shapes of
+#: blocks of 128, without their per-block projections. With all ``T`` queries in one
+#: tile, a (Hkv, g, T, key_chunk) tile of logits (150 MB at 4K tokens on SmolLM2) left the
+#: cache at every pass and one-shot prefill ran at about half the speed of blocks of 128.
+DEFAULT_QUERY_CHUNK = 128
+
+
+@dataclass(frozen=True)
+class AttentionNeed:
+    """What of a block's attention weights ``A`` (Hkv, g, B, n) a policy reads.
+
+    A policy declares it (:meth:`refkv.policies.Policy.attention_need`) so that the engine
+    computes only that, one query tile at a time (:func:`attend_summary`), instead of the
+    ``B x n`` matrix per head: the difference between ``O(T^2)`` and ``O(T x tile)``
+    memory in one-shot prefill.
+
+    Attributes
+    ----------
+    rows : int or None, default None
+        The last ``min(rows, B)`` query rows of ``A`` (TOVA: 1, SnapKV: its window,
+        Scissorhands: its history); ``0``: none. ``None``: every row, the whole matrix.
+    column_sums : bool, default False
+        ``A.sum(axis=-2)``, (Hkv, g, n): the weight each key received from all ``B``
+        queries (H2O's accumulator).
+    """
+
+    rows: int | None = None
+    column_sums: bool = False
+
+    def __post_init__(self):
+        if self.rows is not None:
+            check_int("rows", self.rows, 0)
+        if not isinstance(self.column_sums, (bool, np.bool_)):
+            raise ValueError(f"column_sums must be True or False, got {self.column_sums!r}")
+
+    @property
+    def whole(self) -> bool:
+        """True if the need is the whole matrix (``rows is None``)."""
+        return self.rows is None
+
+
+@dataclass(frozen=True)
+class AttentionSummary:
+    """The parts of ``A`` that :func:`attend_summary` computed for an :class:`AttentionNeed`.
+
+    Attributes
+    ----------
+    rows : (Hkv, g, r, n) or None
+        The last ``r = min(need.rows, B)`` query rows of ``A`` (all ``B`` for a whole
+        need; ``None`` when ``r = 0``): the weights of queries ``B - r .. B - 1``, zero on
+        keys in their future.
+    column_sums : (Hkv, g, n) or None
+        ``A.sum(axis=-2)``, when the need asked for it.
+    """
+
+    rows: np.ndarray | None = None
+    column_sums: np.ndarray | None = None
 
 
 class NonFiniteError(ValueError):
@@ -89,7 +157,8 @@ def attention_weights(q, k, q_pos, k_pos) -> np.ndarray:
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, *,
-           return_weights: bool = False, key_chunk: int = DEFAULT_KEY_CHUNK):
+           return_weights: bool = False, key_chunk: int = DEFAULT_KEY_CHUNK,
+           query_chunk: int = DEFAULT_QUERY_CHUNK):
     """Attention outputs of the block's queries, and the weights only if asked for.
 
     Parameters
@@ -100,8 +169,8 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos
     k_pos : (Hkv, n)
     return_weights : bool
         If true, materialise and return ``A`` (Hkv, g, B, n).
-    key_chunk : int
-        Tile width of the online-softmax route (ignored when ``return_weights``).
+    key_chunk, query_chunk : int
+        Tile sizes of the online-softmax route (ignored when ``return_weights``).
 
     Returns
     -------
@@ -114,13 +183,65 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos
         If the output holds NaN or inf, naming the input (``q``, ``k`` or ``v``) that does;
         a non-finite key or value that no query can see changes nothing and is let pass.
     ValueError
-        If ``key_chunk`` is not an integer >= 1.
+        If ``key_chunk`` or ``query_chunk`` is not an integer >= 1.
     """
     check_int("key_chunk", key_chunk, 1)
-    out, weights = _attend(q, k, v, q_pos, k_pos, return_weights, key_chunk)
+    check_int("query_chunk", query_chunk, 1)
+    if return_weights:
+        out, weights = _attend(q, k, v, q_pos, k_pos, True, key_chunk)
+    else:
+        out, weights = _tiled(q, k, v, q_pos, k_pos, 0, False, key_chunk, query_chunk)[0], None
     if not np.isfinite(out).all():  # (H, B, d): cheap next to the attention itself
         _explain_non_finite(q, k, v)
     return out, weights
+
+
+def attend_summary(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
+                   need: AttentionNeed, *, key_chunk: int = DEFAULT_KEY_CHUNK,
+                   query_chunk: int = DEFAULT_QUERY_CHUNK) -> tuple[np.ndarray, AttentionSummary]:
+    """Attention outputs and only the parts of the weights ``A`` that ``need`` names.
+
+    The queries are walked in tiles of ``query_chunk``, each over the keys it can see
+    (keys in the future of every query of a tile are never touched). A tile that holds
+    one of the needed rows, or any tile when column sums are needed, forms its own
+    (Hkv, g, query_chunk, n) weights exactly as :func:`attention_weights` does, adds their
+    column sums and copies the needed rows out; the other tiles run the online softmax of
+    :func:`attend`. So the weights held at once are ``O(query_chunk x n)`` per head, plus
+    the ``rows x n`` of the result, never ``B x n``. Each row of ``A`` is a softmax over
+    the same logits as in :func:`attention_weights`; only the rounding of the products and
+    sums may differ (the products have other shapes), by a few units in the last place.
+
+    Parameters
+    ----------
+    q, k, v, q_pos, k_pos
+        As in :func:`attend`.
+    need : AttentionNeed
+        What to compute besides the output.
+    key_chunk, query_chunk : int
+        Tile sizes.
+
+    Returns
+    -------
+    out : (H, B, d)
+    summary : AttentionSummary
+        ``rows`` (Hkv, g, min(need.rows, B), n), all ``B`` rows if ``need.whole``;
+        ``column_sums`` (Hkv, g, n) if ``need.column_sums``.
+
+    Raises
+    ------
+    NonFiniteError, ValueError
+        As :func:`attend`; ``ValueError`` also if ``need`` is not an :class:`AttentionNeed`.
+    """
+    check_int("key_chunk", key_chunk, 1)
+    check_int("query_chunk", query_chunk, 1)
+    if not isinstance(need, AttentionNeed):
+        raise ValueError(f"need must be an AttentionNeed, got {type(need).__name__}")
+    b = q.shape[1]
+    rows = b if need.whole else min(need.rows, b)
+    out, kept, sums = _tiled(q, k, v, q_pos, k_pos, rows, bool(need.column_sums), key_chunk, query_chunk)
+    if not np.isfinite(out).all():
+        _explain_non_finite(q, k, v)
+    return out, AttentionSummary(rows=kept, column_sums=sums)
 
 
 def _explain_non_finite(q, k, v) -> None:
@@ -138,7 +259,8 @@ def _explain_non_finite(q, k, v) -> None:
 
 
 def _attend(q, k, v, q_pos, k_pos, return_weights: bool, key_chunk: int):
-    """The two routes of :func:`attend` (arguments as there, already checked)."""
+    """The weights route and the online-softmax route of one query tile (arguments as in
+    :func:`attend`, already checked)."""
     n_kv, n, d = k.shape
     heads, b, _ = q.shape
     if return_weights:
@@ -172,6 +294,44 @@ def _attend(q, k, v, q_pos, k_pos, return_weights: bool, key_chunk: int):
         acc = acc * correction + _weighted_values(p, v[:, start:stop])  # (Hkv, g, B, d)
         m = m_new
     return (acc / l).reshape(heads, b, d), None  # (H, B, d)
+
+
+def _tiled(q, k, v, q_pos, k_pos, rows: int, column_sums: bool, key_chunk: int, query_chunk: int):
+    """The query-tiled walk of :func:`attend` and :func:`attend_summary` (arguments checked).
+
+    Returns ``out`` (H, B, d), the last ``rows`` rows of ``A`` (Hkv, g, rows, n) or None, and
+    the column sums of ``A`` (Hkv, g, n) or None.
+    """
+    n_kv, n, d = k.shape
+    heads, b, _ = q.shape
+    if b == 1 and not rows and not column_sums:
+        return _attend_one_query(q, k, v, q_pos, k_pos), None, None
+    g = _group(q, n_kv).shape[1]
+    weight_dtype = np.result_type(q, k)  # the dtype of causal_logits, hence of A
+    out = np.empty((heads, b, d), dtype=np.result_type(q, k, v))
+    first = b - rows  # the first query whose row of A is returned
+    kept = np.zeros((n_kv, g, rows, n), dtype=weight_dtype) if rows else None
+    sums = np.zeros((n_kv, g, n), dtype=weight_dtype) if column_sums else None
+    for start in range(0, b, query_chunk):
+        stop = min(start + query_chunk, b)
+        tile_pos = q_pos[start:stop]
+        # Keys after the last one any query of the tile sees, in any head, are all masked:
+        # their tiles would add exp(-inf) = 0 and leave max and sums as they are.
+        seen = (k_pos <= tile_pos.max()).any(axis=0)  # (n,)
+        # (at least one key, so a tile that sees none still ends in NonFiniteError, as before)
+        visible = max(int(n - np.argmax(seen[::-1])) if seen.any() else 0, min(n, 1))
+        keys, values, key_pos = k[:, :visible], v[:, :visible], k_pos[:, :visible]
+        if column_sums or stop > first:
+            o, p = _attend(q[:, start:stop], keys, values, tile_pos, key_pos, True, key_chunk)
+            if column_sums:
+                sums[..., :visible] += p.sum(axis=-2)  # (Hkv, g, visible)
+            if stop > first:
+                lo = max(first, start)
+                kept[:, :, lo - first:stop - first, :visible] = p[:, :, lo - start:]
+        else:
+            o, _ = _attend(q[:, start:stop], keys, values, tile_pos, key_pos, False, key_chunk)
+        out[:, start:stop] = o
+    return out, kept, sums
 
 
 def _attend_one_query(q, k, v, q_pos, k_pos) -> np.ndarray:

@@ -7,8 +7,8 @@ inside each layer (KeyDiff Fig. 1):
 2. [only for policies with ``evict_before_attention``: the cache is evicted to
    ``N - B`` tokens first, so the block attends to at most ``N``];
 3. k, v are appended to the cache: ``C_i <- [K_{i-1} || k_block]`` (Eq. 6);
-4. the block's queries attend over cache + block (weights materialised only if the
-   policy reads them);
+4. the block's queries attend over cache + block (weights formed only if the policy
+   reads them, and then only the rows or sums its ``attention_need`` names);
 5. the policy observes (updates per-token state);
 6. if the cache holds more than ``N`` tokens, ``C'_i <- pi_N(C_i)``: the policy's
    scores pick ``N`` tokens per KV head.
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .attention import DEFAULT_KEY_CHUNK, NonFiniteError, attend
+from .attention import DEFAULT_KEY_CHUNK, AttentionSummary, NonFiniteError, attend, attend_summary
 from .cache import EMPTY, LayerCache
 from .model.config import ModelConfig
 from .model.decoder import Model
@@ -49,6 +49,10 @@ __all__ = ["Engine", "EngineStats", "Eviction", "Step", "Trace", "blocks", "deci
            "prefill", "step_view"]
 
 
+#: Rows (tokens) of a block that go through the MLP at once; longer blocks are sliced.
+MLP_ROWS = 1024
+
+
 @dataclass
 class EngineStats:
     """Counters an engine keeps; tests read them.
@@ -56,7 +60,10 @@ class EngineStats:
     Attributes
     ----------
     attention_materialised : int
-        Layer calls that formed the full attention-weight matrix.
+        Layer calls that formed attention weights for the policy: the full matrix or the
+        rows and column sums its ``attention_need`` names (attention-free policies: 0).
+    attention_matrices : int
+        Of those, the calls that formed the full (Hkv, g, B, n) matrix.
     attention_calls : int
         All layer attention calls.
     peak_cache_tokens : int
@@ -69,6 +76,7 @@ class EngineStats:
     """
 
     attention_materialised: int = 0
+    attention_matrices: int = 0
     attention_calls: int = 0
     peak_cache_tokens: int = 0
     evictions: int = 0
@@ -254,12 +262,24 @@ class Engine:
         q, k, v = model.qkv(layer, x, rope)  # (H, B, d), (Hkv, B, d), (Hkv, B, d); q and k after RoPE
         step = layer_step(self.policy, self.caches[layer], q, k, v, layer=layer, n_layers=model.config.n_layers,
                           budget=self.budget, evict=self._evictor(layer), key_chunk=self.key_chunk,
-                          config=model.config)
+                          config=model.config,
+                          # views kept in a trace show the whole matrix, as the oracle's do
+                          attention="matrix" if self.trace is not None and self.trace.views else "needed")
         self.stats.peak_cache_tokens = max(self.stats.peak_cache_tokens, step.peak)
         self.stats.attention_calls += 1
-        self.stats.attention_materialised += step.weights is not None
+        self.stats.attention_materialised += step.weights is not None or step.summary is not None
+        self.stats.attention_matrices += step.weights is not None
         x = x + model.attn_out(layer, step.out)  # (B, D)
-        return x + model.mlp(layer, x)  # (B, D)
+        if len(x) <= MLP_ROWS:
+            return x + model.mlp(layer, x)  # (B, D)
+        # A long block (one-shot prefill) goes through the MLP in slices of rows: each row's
+        # MLP is its own, and the (B, 2 d_ff) activations are the largest temporary of a
+        # one-shot layer once attention is tiled (50 MB at 4K tokens on SmolLM2).
+        out = np.empty_like(x)
+        for start in range(0, len(x), MLP_ROWS):
+            rows = x[start:start + MLP_ROWS]
+            out[start:start + MLP_ROWS] = rows + model.mlp(layer, rows)
+        return out  # (B, D)
 
     def _evictor(self, layer: int) -> Callable[[View, int, str], None]:
         """The ``evict`` callback of :func:`layer_step` for ``layer``: evict, then record the event."""
@@ -356,11 +376,12 @@ def decision_view(view: View, keep: int) -> View:
 
 def step_view(layer: int, n_layers: int, cache: LayerCache, q: np.ndarray, query_positions: np.ndarray,
               k: np.ndarray, v: np.ndarray, weights: np.ndarray | None, budget: int | None,
-              config: ModelConfig | None = None) -> View:
-    """What a policy sees of layer ``layer``'s ``cache`` and the block (q, k, v, weights)."""
+              config: ModelConfig | None = None, summary: AttentionSummary | None = None) -> View:
+    """What a policy sees of layer ``layer``'s ``cache`` and the block (q, k, v, weights or
+    the summary of them the policy needs)."""
     return View(layer=layer, n_layers=n_layers, keys=cache.keys, values=cache.values, positions=cache.positions,
                 fields=dict(cache.fields), queries=q, query_positions=query_positions, block_keys=k,
-                block_values=v, attention=weights, budget=budget, config=config)
+                block_values=v, attention=weights, budget=budget, config=config, attention_summary=summary)
 
 
 @dataclass(frozen=True)
@@ -372,20 +393,24 @@ class Step:
     out : (H, B, d)
         The block's attention outputs.
     weights : (Hkv, g, B, n) or None
-        The attention weights, when the policy reads them.
+        The attention weights, when the policy reads them and ``attention="matrix"``.
     peak : int
         Tokens per head in the cache between append and eviction (up to ``N + B``).
+    summary : AttentionSummary or None
+        The parts of the weights the policy's ``attention_need`` names, when
+        ``attention="needed"`` formed those instead of the matrix.
     """
 
     out: np.ndarray
     weights: np.ndarray | None
     peak: int
+    summary: AttentionSummary | None = None
 
 
 def layer_step(policy: Policy, cache: LayerCache, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, layer: int,
                n_layers: int, budget: int | None, evict: Callable[[View, int, str], None],
                key_chunk: int = DEFAULT_KEY_CHUNK, evict_always: bool = False,
-               config: ModelConfig | None = None) -> Step:
+               config: ModelConfig | None = None, attention: str = "matrix") -> Step:
     """One layer's attention step under an eviction policy: steps 2-6 of this module's docstring.
 
     The one place where the order of a layer's step is written; :class:`Engine` and
@@ -416,7 +441,14 @@ def layer_step(policy: Policy, cache: LayerCache, q: np.ndarray, k: np.ndarray, 
         replay uses it to see the decision of a block that needs no eviction).
     config : ModelConfig, optional
         The model's configuration, handed to the policy in every view (``view.config``).
+    attention : {"matrix", "needed"}
+        For a policy that reads the weights: form the whole matrix ``A`` (the definition;
+        the oracle's replay) or only what ``policy.attention_need()`` names, tile by tile
+        (:func:`refkv.attention.attend_summary`; the engine). The policy sees the same
+        numbers either way, up to the rounding of differently shaped products.
     """
+    if attention not in ("matrix", "needed"):
+        raise ValueError(f"attention must be 'matrix' or 'needed', got {attention!r}")
     b = q.shape[1]
     query_positions = np.arange(cache.next_position, cache.next_position + b, dtype=np.int64)  # (B,)
     if budget is not None:
@@ -431,17 +463,26 @@ def layer_step(policy: Policy, cache: LayerCache, q: np.ndarray, k: np.ndarray, 
 
     cache.append(k, v)  # C_i <- [K_{i-1} || k_block]: (Hkv, n + B, d)
     peak = len(cache)  # the widest head's count
-    out, weights = attend(q, cache.keys, cache.values, query_positions, cache.positions,
-                          return_weights="attention" in policy.needs, key_chunk=key_chunk)  # (H, B, d)
+    summary = None
+    need = policy.attention_need() if "attention" in policy.needs else None
+    if need is not None and (attention == "matrix" or need.whole):
+        out, weights = attend(q, cache.keys, cache.values, query_positions, cache.positions, return_weights=True)
+    elif need is not None:
+        out, summary = attend_summary(q, cache.keys, cache.values, query_positions, cache.positions, need,
+                                      key_chunk=key_chunk)
+        weights = None
+    else:
+        out, weights = attend(q, cache.keys, cache.values, query_positions, cache.positions,
+                              key_chunk=key_chunk)  # (H, B, d), no weights
 
-    observed = step_view(layer, n_layers, cache, q, query_positions, k, v, weights, budget, config)
+    observed = step_view(layer, n_layers, cache, q, query_positions, k, v, weights, budget, config, summary)
     for name, array in policy.observe(observed).items():
         cache.set_field(name, array)  # (Hkv, n, ...)
     after = not policy.evict_before_attention and evict_always
     if budget is not None and (after or cache.total > budget * hkv):
-        evict(step_view(layer, n_layers, cache, q, query_positions, k, v, weights, budget, config), budget,
-              "after-attention")
-    return Step(out=out, weights=weights, peak=peak)
+        evict(step_view(layer, n_layers, cache, q, query_positions, k, v, weights, budget, config, summary),
+              budget, "after-attention")
+    return Step(out=out, weights=weights, peak=peak, summary=summary)
 
 
 def blocks(tokens: np.ndarray, block_size: int | None) -> list[np.ndarray]:

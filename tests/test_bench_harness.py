@@ -187,9 +187,32 @@ def test_compare_runs_refkv_and_transformers_on_the_tiny_model(tmp_path, capsys)
     printed = capsys.readouterr().out
     for impl in compare.IMPLEMENTATIONS:
         assert impl in printed
-    # The same weights and greedy decoding: transformers must pick the same tokens as refkv.
-    assert all(result["summary"]["cpu"]["20"]["same_tokens"].values())
+    # The same weights and greedy decoding: transformers must pick the same tokens as refkv,
+    # one-shot and in blocks, with 1 and 2 threads (the defaults).
+    cases = result["summary"]["cpu"]
+    assert sorted(cases) == ["blocks/1/20", "blocks/2/20", "one-shot/1/20", "one-shot/2/20"]
+    assert all(all(case["same_tokens"].values()) for case in cases.values())
+    assert printed.index("one-shot") < printed.index("blocks")  # one-shot first
     assert json.loads((tmp_path / "c.json").read_text())["args"]["lengths"] == [20]
+
+
+def test_oneshot_report_pairs_each_block_run_with_one_shot():
+    oneshot = _load_script("oneshot")
+    runs = []
+    for repeat, slow in ((0, 1.0), (1, 3.0)):  # a burst of load slows all of repetition 1
+        runs.append({"tree": "t", "length": 100, "policy": "full", "block": None, "repeat": repeat,
+                     "cpu_seconds": 2.0 * slow, "wall_seconds": 2.0 * slow, "peak_bytes": 300 * 2**20,
+                     "extra_bytes": 100 * 2**20})
+        runs.append({"tree": "t", "length": 100, "policy": "full", "block": 128, "repeat": repeat,
+                     "cpu_seconds": 4.0 * slow, "wall_seconds": 4.0 * slow, "peak_bytes": 200 * 2**20,
+                     "extra_bytes": 0})
+    table = oneshot.report({"trees": ["t"], "lengths": [100], "policies": ["full"], "blocks": [None, 128],
+                            "budget": 8, "repeats": 2, "runs": runs, "machine": {"cpus": 2},
+                            "load_average": [1.0, 2.0]})
+    block_row = next(line for line in table.splitlines() if "B = 128" in line)
+    # one-shot took half the time of blocks in each repetition, with 1.5x the peak
+    assert "0.50" in block_row and "1.50" in block_row
+    assert "load average 1.00-2.00" in table
 
 
 def test_compare_says_how_to_install_torch_when_missing(monkeypatch):

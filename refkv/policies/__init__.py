@@ -24,6 +24,7 @@ from . import (  # noqa: F401
 )
 from .base import (
     SIGNALS,
+    AttentionNeed,
     Policy,
     View,
     available,
@@ -37,5 +38,5 @@ from .base import (
     select_heads,
 )
 
-__all__ = ["SIGNALS", "Policy", "View", "available", "check_int", "first_tokens", "get",
+__all__ = ["SIGNALS", "AttentionNeed", "Policy", "View", "available", "check_int", "first_tokens", "get",
            "policy_class", "recent_tokens", "register", "select", "select_heads"]

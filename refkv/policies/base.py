@@ -6,8 +6,12 @@ of the protocol is declared on :class:`Policy`, with its default; a new policy s
 the class attributes and overrides ``score`` (and whatever else it needs):
 
 * ``needs``: the signals it reads, from ``{"keys", "values", "queries", "attention",
-  "positions"}``. The engine materialises attention weights only if ``"attention"`` is
+  "positions"}``. The engine computes attention weights only if ``"attention"`` is
   in it.
+* ``attention_need() -> AttentionNeed``: which of the weights it reads (the last rows,
+  the column sums, or by default the whole matrix). The engine computes only those, tile
+  by tile, and hands them over through :meth:`View.attention_last_rows` and
+  :meth:`View.attention_column_sums`.
 * ``score(view) -> (Hkv, n)``: higher means keep.
 * ``protected(view) -> (Hkv, n) bool``: tokens that must stay (sinks, recent window).
 * ``keep_indices(view) -> (Hkv, view.keep)``: the tokens kept; :func:`select` of the two
@@ -48,12 +52,14 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..attention import AttentionNeed, AttentionSummary
 from ..cache import EMPTY, FieldSpec
 from ..model.config import ModelConfig
 from ..validation import check_int  # re-exported: policies import it from here
 
 __all__ = [
     "SIGNALS",
+    "AttentionNeed",
     "Policy",
     "View",
     "available",
@@ -93,7 +99,11 @@ class View:
         The block's own keys and values (also inside ``keys`` after attention).
     attention : (Hkv, g, B, n) or None
         Attention weights of the block's queries over ``keys``; ``None`` unless the
-        policy needs ``"attention"`` and eviction is after attention.
+        policy needs ``"attention"`` and eviction is after attention, and ``None`` also
+        when the engine computed only what the policy's :meth:`Policy.attention_need`
+        names (then in ``attention_summary``). Policies that declare a partial need read
+        the weights through :meth:`attention_last_rows` and :meth:`attention_column_sums`,
+        which give the same numbers from either.
     budget : int or None
         ``N``, the engine's budget per layer and KV head, always (``None``: no budget).
     keep : int or None
@@ -102,6 +112,9 @@ class View:
     config : ModelConfig or None
         The model's configuration (RoPE base, head width, layer count), for policies
         that need a model fact; ``None`` in views not made from a model.
+    attention_summary : AttentionSummary or None
+        The parts of the weights the policy's :class:`AttentionNeed` names (the last rows
+        of ``A``, its column sums), when the engine computed those instead of ``A``.
     """
 
     layer: int
@@ -118,6 +131,7 @@ class View:
     budget: int | None = None
     keep: int | None = None
     config: ModelConfig | None = None
+    attention_summary: AttentionSummary | None = None
 
     def __post_init__(self):
         if self.keep is None:
@@ -151,6 +165,35 @@ class View:
             raise ValueError("attention weights were not computed: the policy must declare "
                              "'attention' in its needs (and evict after attention)")
         return self.attention.mean(axis=1)
+
+    def attention_last_rows(self, count: int) -> np.ndarray:
+        """The weights of the block's last ``min(count, B)`` queries: ``A[..., -count:, :]``,
+        (Hkv, g, min(count, B), n), from ``attention`` or from ``attention_summary``."""
+        count = min(check_int("count", count, 0), self.queries.shape[1])
+        b = self.queries.shape[1]
+        if self.attention is not None:
+            return self.attention[..., b - count:, :]
+        rows = None if self.attention_summary is None else self.attention_summary.rows
+        if rows is None or rows.shape[2] < count:
+            held = 0 if rows is None else rows.shape[2]
+            raise ValueError(f"the view holds the last {held} rows of the attention weights, not {count}: the "
+                             f"policy's attention_need() must ask for them (and it must evict after attention)")
+        return rows[..., rows.shape[2] - count:, :]
+
+    def attention_column_sums(self) -> np.ndarray:
+        """Each key's weight summed over the block's queries and averaged over the KV head's
+        query group (KeyDiff App. B.2): :math:`\\bar A^\\top \\mathbf 1`, (Hkv, n).
+
+        From ``attention`` as ``attention_by_kv_head().sum(axis=-2)``; from the summary's
+        per-head sums as their group mean (the same number, summed in another order).
+        """
+        if self.attention is not None:
+            return self.attention_by_kv_head().sum(axis=-2)
+        sums = None if self.attention_summary is None else self.attention_summary.column_sums
+        if sums is None:
+            raise ValueError("the view holds no column sums of the attention weights: the policy's "
+                             "attention_need() must ask for them (and it must evict after attention)")
+        return sums.mean(axis=1)
 
     def queries_by_kv_head(self) -> np.ndarray:
         """Queries grouped under their KV head: (Hkv, g, B, d)."""
@@ -200,9 +243,9 @@ class Policy:
 
     Methods
     -------
-    check(budget, config), max_block(budget, config), fields(config), observe(view),
-    score(view), protected(view), keep_indices(view), layer_budget(budget, layer, n_layers),
-    head_budgets(view), params(), describe()
+    check(budget, config), max_block(budget, config), attention_need(), fields(config),
+    observe(view), score(view), protected(view), keep_indices(view),
+    layer_budget(budget, layer, n_layers), head_budgets(view), params(), describe()
         See each method; only ``score`` has no default.
     """
 
@@ -236,6 +279,20 @@ class Policy:
         changes any state (a block that fits in the budget as it is never needs it).
         """
         return budget if self.evict_before_attention else None
+
+    def attention_need(self) -> AttentionNeed:
+        """Which of the block's attention weights this policy reads (only asked if
+        ``"attention"`` is in ``needs``).
+
+        The default is the whole matrix ``view.attention``, (Hkv, g, B, n): ``B x n``
+        numbers per head, ``T^2`` in one-shot prefill. A policy that reads only the last
+        rows or the column sums declares so, and reads them through
+        :meth:`View.attention_last_rows` and :meth:`View.attention_column_sums`; the
+        engine then computes just those, one query tile at a time
+        (:func:`refkv.attention.attend_summary`). Views made with the whole matrix (the
+        oracle's, ``Engine(record="views")``) serve the same methods from it.
+        """
+        return AttentionNeed()
 
     def fields(self, config: ModelConfig) -> dict[str, FieldSpec]:
         """Per-token state fields this policy keeps in the cache."""

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..cache import FieldSpec
 from ..model.config import ModelConfig
-from .base import Policy, View, available, get, policy_class, register
+from .base import AttentionNeed, Policy, View, available, get, policy_class, register
 from .full import Full
 
 __all__ = ["Caote", "caote_scores", "fast_caote_scores", "normalise"]
@@ -233,6 +233,10 @@ class Caote(Policy):
 
     def check(self, budget: int, config: ModelConfig) -> None:
         self._base.check(budget, config)
+
+    def attention_need(self) -> AttentionNeed:
+        """The base's (CAOTE reads no weights of its own, only the base's scores)."""
+        return self._base.attention_need()
 
     def fields(self, config: ModelConfig) -> dict[str, FieldSpec]:
         return self._base.fields(config)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..cache import FieldSpec
 from ..model.config import ModelConfig
-from .base import Policy, View, check_int, recent_tokens, register
+from .base import AttentionNeed, Policy, View, check_int, recent_tokens, register
 
 __all__ = ["FIELD", "H2O", "accumulated_attention"]
 
@@ -80,6 +80,10 @@ class H2O(Policy):
       attention head of models without GQA, and gives the split between heavy hitters and
       recent tokens as ratios of the sequence length; here a KV head's query group is
       averaged (the seed papers' rule) and ``r`` is counted in tokens of the budget.
+    * **Cost**: it reads only the column sums of the weights (:meth:`attention_need`), so
+      the engine adds them up one query tile at a time; in one-shot prefill of ``T`` tokens
+      that holds ``O(T x tile)`` weights per head at once, not ``T^2`` (the work is still
+      every weight, ``O(T^2)``).
     """
 
     name = "h2o"
@@ -113,8 +117,13 @@ class H2O(Policy):
     def fields(self, config: ModelConfig) -> dict[str, FieldSpec]:
         return {FIELD: FieldSpec(dtype=np.float64, shape=(), fill=0.0)}
 
+    def attention_need(self) -> AttentionNeed:
+        """The column sums of the weights (over all the block's queries), no rows."""
+        return AttentionNeed(rows=0, column_sums=True)
+
     def observe(self, view: View) -> dict[str, np.ndarray]:
-        block = accumulated_attention(view.attention_by_kv_head()).astype(np.float64)
+        # accumulated_attention of the group-averaged weights, A-bar^T 1 (View.attention_column_sums)
+        block = view.attention_column_sums().astype(np.float64)
         return {FIELD: view.fields[FIELD] + block}
 
     def score(self, view: View) -> np.ndarray:

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..cache import FieldSpec
 from ..model.config import ModelConfig
-from .base import Policy, View, check_int, first_tokens, recent_tokens, register
+from .base import AttentionNeed, Policy, View, check_int, first_tokens, recent_tokens, register
 
 __all__ = ["FIELD", "MAX_HISTORY", "Scissorhands", "importance", "record_steps"]
 
@@ -122,6 +122,9 @@ class Scissorhands(Policy):
     * Ties in the count (frequent: counts are small integers) keep the more recent token
       (the shared tie rule).
     * ``sink + recent`` must be smaller than the budget (:meth:`check`).
+    * **Cost**: only the last ``m`` steps survive in the buffer, so it reads the last ``m``
+      rows of the weights (:meth:`attention_need`); in one-shot prefill of ``T > m`` tokens
+      the engine forms ``O(T x max(m, tile))`` weights per head, not ``T^2``.
     """
 
     name = "scissorhands"
@@ -155,9 +158,15 @@ class Scissorhands(Policy):
     def fields(self, config: ModelConfig) -> dict[str, FieldSpec]:
         return {FIELD: FieldSpec(dtype=np.bool_, shape=(self.history,), fill=False)}
 
+    def attention_need(self) -> AttentionNeed:
+        """The last ``m`` rows of the weights: the steps the ring buffer keeps."""
+        return AttentionNeed(rows=self.history)
+
     def observe(self, view: View) -> dict[str, np.ndarray]:
-        important = importance(view.attention_by_kv_head(), view.positions, view.query_positions)
-        return {FIELD: record_steps(view.fields[FIELD], important, view.query_positions)}
+        rows = view.attention_last_rows(self.history)  # (Hkv, g, r, n), r = min(m, B)
+        steps = view.query_positions[view.query_positions.shape[0] - rows.shape[2]:]  # their positions, (r,)
+        important = importance(rows.mean(axis=1), view.positions, steps)
+        return {FIELD: record_steps(view.fields[FIELD], important, steps)}
 
     def score(self, view: View) -> np.ndarray:
         return view.fields[FIELD].sum(axis=-1).astype(np.float64)

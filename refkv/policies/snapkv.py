@@ -19,7 +19,7 @@ import numpy as np
 
 from ..model.config import ModelConfig
 from ..validation import MAX_CONTEXT
-from .base import Policy, View, check_int, recent_tokens, register
+from .base import AttentionNeed, Policy, View, check_int, recent_tokens, register
 
 __all__ = ["POOLINGS", "SnapKV", "pool1d", "window_attention"]
 
@@ -127,6 +127,9 @@ class SnapKV(Policy):
       queries' attention was not kept), so the window shrinks; with ``B = 1`` (token
       generation) SnapKV becomes the last query's pooled attention, TOVA smoothed, while
       the last ``w`` tokens stay protected.
+    * **Cost**: it reads the window's ``w`` rows of the weights (:meth:`attention_need`),
+      so the engine forms the weights of the query tiles that hold them only; in one-shot
+      prefill of ``T`` tokens that is ``O(T x max(w, tile))`` weights per head, not ``T^2``.
     """
 
     name = "snapkv"
@@ -159,8 +162,12 @@ class SnapKV(Policy):
         if self.window >= budget:
             raise ValueError(f"window must be < budget={budget} (room for pooled candidates), got {self.window}")
 
+    def attention_need(self) -> AttentionNeed:
+        """The observation window's rows of the weights: the last ``w``."""
+        return AttentionNeed(rows=self.window)
+
     def score(self, view: View) -> np.ndarray:
-        summed = window_attention(view.attention_by_kv_head(), self.window)
+        summed = window_attention(view.attention_last_rows(self.window).mean(axis=1), self.window)
         prefix = max(summed.shape[-1] - self.window, 0)
         scores = summed.copy()
         scores[..., :prefix] = pool1d(summed[..., :prefix], self.kernel, self.pooling)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import Policy, View, register
+from .base import AttentionNeed, Policy, View, register
 
 __all__ = ["TOVA", "last_query_attention"]
 
@@ -64,6 +64,9 @@ class TOVA(Policy):
       ``all_heads=True``, and a :class:`ValueError` is raised otherwise.
     * **Deviation from the official code**: besides the head averaging above, the official
       code has no attention-sink protection either; neither does this policy.
+    * **Cost**: it reads one row of the weights (:meth:`attention_need`), so the engine
+      forms the weights of the last query tile only; in one-shot prefill of ``T`` tokens
+      that is ``O(T)`` weights per head, not ``T^2``.
     """
 
     name = "tova"
@@ -86,13 +89,16 @@ class TOVA(Policy):
         if not isinstance(self.all_heads, (bool, np.bool_)):
             raise ValueError(f"all_heads must be True or False, got {self.all_heads!r}")
 
+    def attention_need(self) -> AttentionNeed:
+        """The last query's row of the weights."""
+        return AttentionNeed(rows=1)
+
     def score(self, view: View) -> np.ndarray:
+        last = view.attention_last_rows(1)  # (Hkv, g, 1, n); raises if the view has no weights
         if not self.all_heads:
-            return last_query_attention(view.attention_by_kv_head())
-        if view.attention is None:
-            view.attention_by_kv_head()  # raises the explanatory error
+            return last_query_attention(last.mean(axis=1))
         if not np.array_equal(view.positions, np.broadcast_to(view.positions[:1], view.positions.shape)):
             raise ValueError("all_heads=True needs every KV head to hold the same tokens; "
                              "these heads hold different positions")
-        row = last_query_attention(view.attention).mean(axis=(0, 1))  # (Hkv, g, n) -> (n,)
+        row = last_query_attention(last).mean(axis=(0, 1))  # (Hkv, g, n) -> (n,)
         return np.broadcast_to(row, view.positions.shape).copy()
