@@ -165,9 +165,11 @@ fig.tight_layout()
 #
 # Now the three policies in the built-in model, with their default parameters (H2O:
 # recent window :math:`N/2`; SnapKV: :math:`w = 32`, :math:`k = 7`, KeyDiff App. B.2), a
-# 384-token prompt, budget :math:`N = 64` and blocks of :math:`B = 32`. Each needs the
-# attention matrix, so the engine materialises it at every layer call; KeyDiff, for
-# comparison, never does (the engine counts).
+# 384-token prompt, budget :math:`N = 64` and blocks of :math:`B = 32`. Each reads
+# attention weights, so the engine forms them at every layer call -- but only what the
+# policy reads: TOVA the last query's row, SnapKV its window's rows, H2O the column
+# sums, never the whole matrix (``attention_matrices`` counts whole ones). KeyDiff, for
+# comparison, reads none (the engine counts).
 
 model = refkv.load("tiny")
 tokens = rng.integers(0, model.config.vocab_size, size=384)
@@ -178,8 +180,9 @@ for name in ("tova", "h2o", "snapkv", "keydiff"):
     engine.prefill(tokens, block_size=B)
     engines[name] = engine
     s = engine.stats
-    print(f"{name:<8} attention matrix formed in {s.attention_materialised:>2} "
-          f"of {s.attention_calls} layer calls")
+    print(f"{name:<8} attention weights read in {s.attention_materialised:>2} "
+          f"of {s.attention_calls} layer calls, whole matrices {s.attention_matrices}")
+    assert s.attention_matrices == 0  # rows or column sums only
 
 # %%
 # Where do the kept tokens lie? **Predict, then run:** sketch, for each policy, where
