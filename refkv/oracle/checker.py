@@ -151,14 +151,7 @@ def check_end_to_end_file(candidate_path, reference_path, *, dtype=None, declare
     head = f"{ref.label}: {res.decisions} {steps} compared"
     if res.unchecked:
         head += f", {res.unchecked} downstream of a tie not compared"
-    report.summary = head + (f"; logits {res.logits}" if res.logits else "")
-    if res.failure:
-        report.status = Status.FAIL
-        report.failures.append(res.failure)
-    elif res.ties:
-        report.status = Status.TIE
-    report.ties = [t.describe() for t in res.ties]
-    return report
+    return _finish(report, res, head)
 
 
 def _check_schedule_file(candidate_path, ref, *, dtype, declare, tolerance_factor, strict_ties, final_only,
@@ -182,14 +175,7 @@ def _check_schedule_file(candidate_path, ref, *, dtype, declare, tolerance_facto
     head = f"{ref.label}: {res.decisions} (round, layer) steps compared"
     if res.unchecked:
         head += f", {res.unchecked} downstream of a tie or divergence not compared"
-    report.summary = head + (f"; logits {res.logits}" if res.logits else "")
-    if res.failure:
-        report.status = Status.FAIL
-        report.failures.append(res.failure)
-    elif res.ties:
-        report.status = Status.TIE
-    report.ties = [t.describe() for t in res.ties]
-    return report
+    return _finish(report, res, head)
 
 
 def _read_candidate_e2e(path, final_only: bool):
@@ -341,4 +327,17 @@ def check_suite(candidate_dir, reference_dir, *, policies: Sequence[str] | None 
         except ValueError as err:  # a malformed candidate file is a failure of that file
             report.files.append(FileReport(rel, entry["kind"], Status.FAIL, failures=[f"unreadable: {err}"]))
     report.seconds = time.perf_counter() - start
+    return report
+
+
+def _finish(report, res, head: str):
+    """An end-to-end file's report from its result: the summary line (``head`` and the
+    logits), FAIL with the failure, TIE with the accepted ties, or as it was."""
+    report.summary = head + (f"; logits {res.logits}" if res.logits else "")
+    if res.failure:
+        report.status = Status.FAIL
+        report.failures.append(res.failure)
+    elif res.ties:
+        report.status = Status.TIE
+    report.ties = [t.describe() for t in res.ties]
     return report

@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..validation import check_float
-from .arrays import as_array, compare_arrays, fmt
+from .arrays import as_array, fmt
 from .declare import Declarations
 from .retention import compare_kept
 from .status import Status
 from .tolerance import check_dtype_name, e2e_rtol
-from .walk import EndToEndResult, decision_tolerance
+from .walk import EndToEndResult, compare_final_logits, decision_tolerance
 
 __all__ = ["KINDS", "Divergence", "compare_schedule"]
 
@@ -228,19 +228,8 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
     if any(int(steps[tr]) < final or (before and int(steps[tr]) == final) for tr, _ in taint):
         res.logits = "not compared (downstream of an accepted tie)"
         return res
-    lt = tol["logits"]
-    l_rtol = factor * e2e_rtol(lt["rtol"], golden_dtype, name)
-    ref_logits = np.asarray(reference["logits"], dtype=np.float64)
-    finite = np.abs(ref_logits[np.isfinite(ref_logits)])
-    l_atol = l_rtol * max(1.0, float(finite.max()) if finite.size else 1.0)
-    logits = as_array(candidate["logits"], "logits")
-    mm = compare_arrays(logits, reference["logits"], rtol=l_rtol, atol=l_atol, check_dtype=check_dtype,
-                        describe_index=lambda i: f"token id {i[0]}")
-    if mm:
-        res.failure = "final logits (after every round matched): " + mm.message.replace("\n", "\n  ")
-        return res
-    diff = np.abs(logits.astype(np.float64) - ref_logits)
-    res.logits = f"max |diff| {fmt(diff.max()) if diff.size else 0}"
+    compare_final_logits(res, candidate, reference, factor * e2e_rtol(tol["logits"]["rtol"], golden_dtype, name),
+                         check_dtype, "final logits (after every round matched)")
     return res
 
 

@@ -103,20 +103,27 @@ def compare_end_to_end(candidate: dict, reference: dict, manifest: dict, *, dtyp
     if any(tb < last or (before and tb == last) for tb, _ in ties_at):
         res.logits = "not compared (downstream of an accepted tie)"
         return res
-    lt = tol["logits"]
-    l_rtol = factor * e2e_rtol(lt["rtol"], golden_dtype, name)
+    compare_final_logits(res, candidate, reference, factor * e2e_rtol(tol["logits"]["rtol"], golden_dtype, name),
+                         check_dtype, "logits")
+    return res
+
+
+def compare_final_logits(res, candidate: dict, reference: dict, rtol: float, check_dtype, what: str) -> None:
+    """The candidate's final logits against the reference's, within ``rtol`` relative to each
+    logit and ``rtol`` times the largest finite reference logit absolute: sets ``res.failure``
+    (prefixed by ``what``) or ``res.logits`` (the largest difference). Shared by the per-block
+    walk and the schedule checker (:mod:`refkv.oracle.rounds`)."""
     ref_logits = np.asarray(reference["logits"], dtype=np.float64)
     finite = np.abs(ref_logits[np.isfinite(ref_logits)])
-    l_atol = l_rtol * max(1.0, float(finite.max()) if finite.size else 1.0)
+    atol = rtol * max(1.0, float(finite.max()) if finite.size else 1.0)
     logits = as_array(candidate["logits"], "logits")
-    mm = compare_arrays(logits, reference["logits"], rtol=l_rtol, atol=l_atol, check_dtype=check_dtype,
+    mm = compare_arrays(logits, reference["logits"], rtol=rtol, atol=atol, check_dtype=check_dtype,
                         describe_index=lambda i: f"token id {i[0]}")
     if mm:
-        res.failure = "logits: " + mm.message.replace("\n", "\n  ")
-        return res
+        res.failure = f"{what}: " + mm.message.replace("\n", "\n  ")
+        return
     diff = np.abs(logits.astype(np.float64) - ref_logits)
     res.logits = f"max |diff| {fmt(diff.max()) if diff.size else 0}"
-    return res
 
 
 def _check_counts(res, counts_c, counts_r, what="kept_count") -> bool:
