@@ -147,17 +147,9 @@ def run_end_to_end(policy: Policy, *, budget: int | None, block_size: int | None
         for layer, positions in enumerate(per_block):
             kept[b, layer, :, :positions.shape[1]] = positions
             kept_count[b, layer] = positions.shape[1]
-            if (b, layer) not in log:
-                continue
-            cand, s, prot, cols = log[(b, layer)]
-            c = cand.shape[1]
-            candidates[b, layer, :, :c] = cand
-            candidate_count[b, layer] = c
-            scores[b, layer, :, :c] = s
-            protected[b, layer, :, :c] = prot
-            for h, gap in enumerate(boundary_gap(s, cols, prot)):
-                if gap is not None and (closest is None or gap < closest["gap"]):
-                    closest = {"block": b, "layer": layer, "head": h, "gap": gap}
+            if (b, layer) in log:
+                closest = _store_eviction(log[(b, layer)], (b, layer), candidates, candidate_count, scores,
+                                          protected, closest, "block")
 
     tol_scores = _tolerance(dtype, scores)
     manifest = {
@@ -408,6 +400,22 @@ def is_schedule(manifest: dict) -> bool:
     return isinstance(manifest, dict) and "schedule" in manifest
 
 
+def _store_eviction(entry, at, candidates, candidate_count, scores, protected, closest, step_name):
+    """Write one recorded eviction (candidates, scores, protected flags; ``entry`` as logged
+    from the trace) into the golden's arrays at ``at`` = (step, layer), and return the
+    closest call so far (the smallest gap at a kept/evicted boundary), updated."""
+    cand, s, prot, cols = entry
+    c = cand.shape[1]
+    candidates[at][:, :c] = cand
+    candidate_count[at] = c
+    scores[at][:, :c] = s
+    protected[at][:, :c] = prot
+    for h, gap in enumerate(boundary_gap(s, cols, prot)):
+        if gap is not None and (closest is None or gap < closest["gap"]):
+            closest = {step_name: at[0], "layer": at[1], "head": h, "gap": gap}
+    return closest
+
+
 def run_schedule_golden(policy: Policy, schedule, *, dtype="float64", prompt_length: int = 24,
                         model_seed: int = 0, prompt_seed: int = 1, decode_seed: int = 2,
                         model: str = "tiny", built: Model | None = None) -> tuple[dict, dict]:
@@ -485,17 +493,9 @@ def run_schedule_golden(policy: Policy, schedule, *, dtype="float64", prompt_len
             real = positions >= 0  # (Hkv, n): False at an empty slot, whose print stays NaN
             key_print[r, layer, :, :n] = np.where(real, fingerprints(keys, cfg.d_head), np.nan)
             value_print[r, layer, :, :n] = np.where(real, fingerprints(values, cfg.d_head), np.nan)
-            if (r, layer) not in log:
-                continue
-            cand, s, prot, cols = log[(r, layer)]
-            c = cand.shape[1]
-            candidates[r, layer, :, :c] = cand
-            candidate_count[r, layer] = c
-            scores[r, layer, :, :c] = s
-            protected[r, layer, :, :c] = prot
-            for h, gap in enumerate(boundary_gap(s, cols, prot)):
-                if gap is not None and (closest is None or gap < closest["gap"]):
-                    closest = {"round": r, "layer": layer, "head": h, "gap": gap}
+            if (r, layer) in log:
+                closest = _store_eviction(log[(r, layer)], (r, layer), candidates, candidate_count, scores,
+                                          protected, closest, "round")
 
     prints = np.concatenate([key_print.ravel(), value_print.ravel()])
     manifest = {

@@ -42,7 +42,7 @@ from .declare import Declarations
 from .retention import compare_kept
 from .status import Status
 from .tolerance import check_dtype_name, e2e_rtol
-from .walk import EndToEndResult, compare_final_logits, decision_tolerance
+from .walk import EndToEndResult, compare_final_logits, decision_tolerance, downstream
 
 __all__ = ["KINDS", "Divergence", "compare_schedule"]
 
@@ -143,7 +143,7 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
     taint: list[tuple[int, int]] = []
 
     def tainted(r: int, l: int) -> bool:
-        return any((r > tr and l >= tl) or (before and r == tr and l > tl) for tr, tl in taint)
+        return downstream(r, l, taint, before)
 
     def diverge(r, l, h, kind, message):
         res.divergences.append(Divergence(r, l, h, kind, message))

@@ -791,8 +791,8 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
             entries.append({"path": rel, "kind": "vectors", "policy": name, "sha256": sha256(files[rel]),
                             "cases": doc["number_of_cases"]})
         n_runs = 0
-        for model in E2E_MODELS:
-            runs, skips = policy_end_to_end(name, model)
+        made = [policy_end_to_end(name, model) for model in E2E_MODELS] + [policy_schedules(name)]
+        for runs, skips in made:
             skipped += skips
             n_runs += len(runs)
             for label, manifest, arrays in runs:
@@ -801,15 +801,6 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
                 files[rel], files[rel[:-len(".json")] + ".npz"] = text, data
                 entries.append({"path": rel, "kind": "e2e", "policy": name, "mode": manifest["mode"],
                                 "dtype": manifest["dtype"], "sha256": sha256(text), "npz_sha256": sha256(data)})
-        runs, skips = policy_schedules(name)
-        skipped += skips
-        n_runs += len(runs)
-        for label, manifest, arrays in runs:
-            rel = f"e2e/{name}/{label}.json"
-            manifest, text, data = end_to_end_files(label, manifest, arrays)
-            files[rel], files[rel[:-len(".json")] + ".npz"] = text, data
-            entries.append({"path": rel, "kind": "e2e", "policy": name, "mode": "schedule",
-                            "dtype": manifest["dtype"], "sha256": sha256(text), "npz_sha256": sha256(data)})
         if progress is not None:
             n_cases = doc["number_of_cases"] if doc else 0
             n_skips = sum(1 for s in skipped if s["policy"] == name)

@@ -155,6 +155,14 @@ def _note_meaningless(res, scores, rtol, where):
                          f"tolerance): not a meaningful check there")
 
 
+def downstream(step: int, layer: int, marks, before: bool) -> bool:
+    """Whether the decision at (``step``, ``layer``) follows one marked in ``marks`` (pairs of
+    step and layer where an accepted tie or a divergence changed the cache): every later
+    step at that layer or above, and, for a policy that evicts before attention, the
+    layers above it in the same step. Such a decision may legitimately differ."""
+    return any((step > s and layer >= m) or (before and step == s and layer > m) for s, m in marks)
+
+
 def _walk_blocks(res, candidate, reference, rtol, rule, before, strict_ties) -> list:
     counts_c = as_array(candidate["kept_count"], "kept_count")
     counts_r = reference["kept_count"]
@@ -169,7 +177,7 @@ def _walk_blocks(res, candidate, reference, rtol, rule, before, strict_ties) -> 
     tie_at: list[tuple[int, int]] = []
 
     def tainted(b: int, l: int) -> bool:
-        return any((b > tb and l >= tl) or (before and b == tb and l > tl) for tb, tl in tie_at)
+        return downstream(b, l, tie_at, before)
 
     for b in range(n_blocks):
         for l in range(n_layers):
