@@ -48,7 +48,9 @@ def test_beta_one_is_uniform(total, n_layers):
 def test_schedule_by_hand():
     # M = 8, beta = 20, L = 4: k = 15.6, 10.53, 5.47, 0.4 -> floors 15, 10, 5, 0, two left over
     assert pyramid_schedule(8, 4, 20) == [16, 11, 5, 0]
+    # SnapKV's window w = 32 in every layer, the schedule above for the N - w = 8 left
     assert get("pyramidkv").layer_budgets(40, 4) == [48, 43, 37, 32]
+    # w = 4, M = 12, beta = 4: min = 48 / 16 = 3, max = 2 M - min = 21, step 6: 21, 15, 9, 3 (+ w)
     assert get("pyramidkv", base_params={"window": 4, "kernel": 3}, beta=4).layer_budgets(16, 4) == [25, 19, 13, 7]
 
 
