@@ -1,0 +1,231 @@
+"""Draw refkv's import graph: which module imports which, in floors.
+
+Usage::
+
+    python docs/import_graph.py [PACKAGE_DIR] [--png OUT.png] [--rooms | --only refkv.oracle]
+
+Every ``import`` and ``from ... import`` of a refkv module is an edge, at module level or
+inside a function (a lazy import is still a dependency; only ``if TYPE_CHECKING:`` blocks are
+left out). ``--rooms`` merges modules into rooms: a sub-package (``refkv.oracle``) or a
+top-level module (``refkv.engine``); ``--only PREFIX`` keeps the modules of one room and the
+imports among them. The printout lists the strongly connected components
+with more than one member (the circles; none is the goal), then the floors: floor 0 imports
+no other refkv module, floor k imports something on floor k-1 and nothing higher. The PNG draws
+the floors bottom-up, one row each, with the edges between them.
+
+This is maintainers' tooling (issue 25 asked for a picture of the house before and after); it
+needs matplotlib only for ``--png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import pathlib
+import sys
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
+    """Absolute names ``tree`` imports (the module ``module``; packages resolve relative imports
+    from themselves)."""
+    package = module if is_package else module.rpartition(".")[0]
+    names: set[str] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            target = node.module or ""
+            if node.level:
+                target = f"{base}.{target}" if target else base
+            names.add(target)
+            names.update(f"{target}.{alias.name}" for alias in node.names)
+        stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def module_graph(package_dir: pathlib.Path) -> dict[str, set[str]]:
+    """``{module: modules it imports}`` over the package's modules (``pkg.__init__`` is ``pkg``)."""
+    root = package_dir.parent
+    modules = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if is_package else parts)
+        modules[name] = (path, is_package)
+    graph = {}
+    for name, (path, is_package) in modules.items():
+        imported = _imports(ast.parse(path.read_text(encoding="utf-8")), name, is_package)
+        # `from refkv.oracle import walk` names refkv.oracle.walk; `from .x import f` names x.f,
+        # which is no module: keep only names that are modules.
+        graph[name] = {m for m in imported if m in modules and m != name}
+    return graph
+
+
+def room_of(module: str, top: str) -> str:
+    """``refkv.oracle.walk`` -> ``refkv.oracle``; ``refkv.engine`` -> ``refkv.engine``."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module if module != top else top
+
+
+def rooms(graph: dict[str, set[str]], top: str) -> dict[str, set[str]]:
+    merged: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        src = room_of(module, top)
+        merged.setdefault(src, set()).update(room_of(t, top) for t in targets)
+    # The top package's __init__ re-exports its rooms; it is the roof, not a room.
+    merged.pop(top, None)
+    return {src: {t for t in targets if t != src and t != top} for src, targets in merged.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one member (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found = []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = counter
+                counter += 1
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph.get(child, ())))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return sorted(found)
+
+
+def floors(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Longest import chain below each node; nodes of one circle share the circle's floor."""
+    component_of = {}
+    for members in circles(graph):
+        for m in members:
+            component_of[m] = tuple(members)
+    floor: dict[str, int] = {}
+
+    def height(node, seen=()):
+        if node in floor:
+            return floor[node]
+        group = component_of.get(node, (node,))
+        below = [t for m in group for t in graph.get(m, ()) if t not in group and t not in seen]
+        value = 1 + max((height(t, seen + group) for t in below), default=-1)
+        for m in group:
+            floor[m] = value
+        return value
+
+    for node in sorted(graph):
+        height(node)
+    return floor
+
+
+def draw(graph: dict[str, set[str]], levels: dict[str, int], out: pathlib.Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_floor: dict[int, list[str]] = {}
+    for node, level in levels.items():
+        by_floor.setdefault(level, []).append(node)
+    width = max(len(v) for v in by_floor.values())
+    fig, ax = plt.subplots(figsize=(max(8, 2.0 * width), 1.3 * (len(by_floor) + 1)))
+    where = {}
+    for level, nodes in by_floor.items():
+        for i, node in enumerate(sorted(nodes)):
+            where[node] = ((i + 0.5) * width / len(nodes), level)
+    for src, targets in graph.items():
+        for t in targets:
+            (x0, y0), (x1, y1) = where[src], where[t]
+            ax.annotate("", xy=(x1, y1 + 0.12), xytext=(x0, y0 - 0.12),
+                        arrowprops={"arrowstyle": "->", "color": "0.6", "lw": 0.6,
+                                    "connectionstyle": "arc3,rad=0.05"})
+    for node, (x, y) in where.items():
+        ax.text(x, y, node.split(".", 1)[-1], ha="center", va="center", fontsize=8,
+                bbox={"boxstyle": "round", "fc": "white", "ec": "0.3"})
+    ax.set_xlim(-0.2, width + 0.2)
+    ax.set_ylim(-0.7, max(by_floor) + 0.7)
+    ax.set_yticks(sorted(by_floor))
+    ax.set_yticklabels([f"floor {k}" for k in sorted(by_floor)])
+    ax.set_xticks([])
+    ax.set_title(title)
+    for side in ("top", "right", "bottom"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    tmp = out.with_name(out.name + ".tmp")
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    tmp.replace(out)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("package", nargs="?", default=str(pathlib.Path(__file__).resolve().parents[1] / "refkv"))
+    parser.add_argument("--png", type=pathlib.Path)
+    parser.add_argument("--rooms", action="store_true", help="merge modules into sub-packages and top-level modules")
+    parser.add_argument("--only", metavar="PREFIX", help="keep only the modules under PREFIX (e.g. refkv.oracle)")
+    args = parser.parse_args(argv)
+    package = pathlib.Path(args.package).resolve()
+    graph = module_graph(package)
+    modules = len(graph)
+    if args.rooms:
+        graph = rooms(graph, package.name)
+    elif args.only:
+        keep = {m for m in graph if m == args.only or m.startswith(args.only + ".")}
+        graph = {m: graph[m] & keep for m in keep}
+    edges = sum(len(t) for t in graph.values())
+    found = circles(graph)
+    levels = floors(graph)
+    print(f"{package}: {modules} modules, {len(graph)} nodes, {edges} import edges, "
+          f"{len(found)} circle(s), {1 + max(levels.values())} floors")
+    for members in found:
+        print("  circle:", " <-> ".join(members))
+    for level in range(max(levels.values()), -1, -1):
+        print(f"  floor {level}:", ", ".join(sorted(n.split('.', 1)[-1] for n, v in levels.items() if v == level)))
+    if args.png:
+        draw(graph, levels, args.png, f"{args.only or package.name}: {'rooms' if args.rooms else 'modules'}, "
+             f"{edges} imports, {len(found)} circle(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
