@@ -3,7 +3,7 @@
 Both run SmolLM2-135M-Instruct in float32 from the same GGUF file: refkv loads it, and a
 ``transformers.LlamaForCausalLM`` is built from a config matching its metadata and given
 refkv's dequantized weights (no download; the construction that
-``tests/test_conformance_hf.py`` checks for equal logits). Each implementation, in the
+``tests/model/test_conformance_hf.py`` checks for equal logits). Each implementation, in the
 same regime,
 
 * **prefills** a prompt of real English prose (:func:`refkv.model.english_prose`),

@@ -18,7 +18,7 @@ It reads ``docs/_static/experiments/perplexity/ppl.csv`` and
   against the no-eviction ceiling.
 
 The figure heads both the experiments page and the "choosing a policy" page.
-``tests/test_docs.py`` recomputes the points from the experiment tables and fails when
+``tests/docs/test_docs.py`` recomputes the points from the experiment tables and fails when
 the committed CSV disagrees, so the figure cannot silently fall behind the experiments.
 """
 

@@ -1,13 +1,13 @@
 """Sphinx configuration for refkv's documentation.
 
-Build (warnings are errors; this is what ``tests/test_docs.py`` runs)::
+Build (warnings are errors; this is what ``tests/docs/test_docs.py`` runs)::
 
     python -m sphinx -W --keep-going -b html docs docs/_build/html
 
 A full build executes every tutorial in ``tutorials/`` through sphinx-gallery (about a
 minute of CPU; it needs the ``plot``, ``test`` and ``models`` extras and the model wheel,
 like the tutorials themselves). ``-D plot_gallery=0`` renders the tutorials' text and code
-without running them; the docs test uses it because ``tests/test_tutorials.py`` already
+without running them; the docs test uses it because ``tests/docs/test_tutorials.py`` already
 runs each tutorial in its own process.
 
 The build needs no network, and neither does the built site. Intersphinx reads the small
@@ -15,7 +15,7 @@ numpy and scipy inventories in ``docs/_inventories/`` (written by
 ``docs/_inventories/make_inventories.py``). MathJax is served from the build itself: the
 ``sphinx-mathjax-offline`` extension (in the ``docs`` extra) copies MathJax 3 and its fonts
 into ``_static/mathjax/``, so formulas render offline, in CI artefacts and on lab machines
-without internet. ``tests/test_docs.py`` fails if a built page references a remote script,
+without internet. ``tests/docs/test_docs.py`` fails if a built page references a remote script,
 stylesheet or font.
 """
 

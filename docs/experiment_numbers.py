@@ -15,7 +15,7 @@ comments, each followed or preceded by a blank line::
 
 ``python docs/experiment_numbers.py`` rewrites those blocks from the tables;
 ``python docs/experiment_numbers.py --check`` exits 1 naming each block that differs
-(``tests/test_experiment_numbers.py`` runs the same check).
+(``tests/experiments/test_experiment_numbers.py`` runs the same check).
 """
 
 from __future__ import annotations

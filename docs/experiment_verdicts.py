@@ -31,7 +31,7 @@ Rules, fixed here so that no verdict is chosen after seeing the numbers:
   each (paper, table, setting, arithmetic) is in the ``paper_basis`` column; the numbers
   were read from the papers' text, see ``docs/guide/experiments.rst``.
 
-``tests/test_docs.py`` recomputes the table from the published CSVs and fails when the
+``tests/docs/test_docs.py`` recomputes the table from the published CSVs and fails when the
 committed file disagrees, so the page cannot fall behind the experiments.
 """
 

@@ -17,7 +17,7 @@ It reads ``RESULTS/passkey.jsonl``, ``perplexity.jsonl``, ``attention_loss.jsonl
 comparison: n in prompts or texts, estimate, 95% interval, p, Holm-adjusted p, verdict,
 scaled paper effect and where the interval lies against it), ``calibration.csv``,
 ``units.csv`` (one row per prompt or text and comparison, at full precision, so anyone can
-recompute the verdicts: ``tests/test_experiment_registered_prompts.py`` does), ``run.csv``
+recompute the verdicts: ``tests/experiments/test_experiment_registered_prompts.py`` does), ``run.csv``
 (cells, core-minutes and wall minutes per experiment, from the records), ``choices.csv``
 (the calibrated length and MAT's chosen spec), and the two text blocks the results page
 includes, generated from those CSVs only: ``verdicts.inc`` (the verdicts in words and the

@@ -6,10 +6,17 @@ explicitly with ``--hypothesis-profile``.
 """
 
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
+
+# The tests live in folders that mirror the package (tests/model/, tests/oracle/, ...). Tests in
+# other folders reuse the model tests' file writers (write_gguf, write_safetensors, hf_model), so
+# that folder is importable from everywhere, as this one is (policy_views).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "model"))
 
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])

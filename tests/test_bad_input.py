@@ -551,7 +551,7 @@ def test_reliability_table_matches_attack_tests():
         assert tried >= 1 and clear == tried, (item, attack)
         assert (unclear, silent, lost, hang) == (0, 0, 0, 0), (item, attack)
     tested: dict[int, list[str]] = {}
-    for path in sorted((ROOT / "tests").glob("test_bad_input*.py")):
+    for path in sorted((ROOT / "tests").rglob("test_bad_input*.py")):
         for name, number in ATTACK_TEST.findall(path.read_text()):
             tested.setdefault(int(number), []).append(name)
     missing = sorted(set(rows) - set(tested))

@@ -572,7 +572,7 @@ def test_reliability_26_table():
         assert tried >= 1 and clear == tried, (item, attack)
         assert (unclear, silent, lost, hang) == (0, 0, 0, 0), (item, attack)
     tested: dict[int, list[str]] = {}
-    for path in sorted((ROOT / "tests").glob("test_reliability_*.py")):
+    for path in sorted((ROOT / "tests").rglob("test_reliability_*.py")):
         for name, number in ATTACK_TEST.findall(path.read_text()):
             tested.setdefault(int(number), []).append(name)
     assert sorted(set(rows) - set(tested)) == [], "rows without a test_attack_26_NN_* test"

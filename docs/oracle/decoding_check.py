@@ -1,7 +1,7 @@
 """Check kvpress's DecodingPress(KeyDiffPress) against refkv's decoding goldens, on SmolLM2.
 
 Run from an empty folder with the interop extra installed (pip install 'refkv[interop]').
-docs/oracle/decoding.rst includes this file from line 7; tests/test_oracle_decoding_page.py runs it.
+docs/oracle/decoding.rst includes this file from line 7; tests/oracle/test_oracle_decoding_page.py runs it.
 """
 
 from kvpress import DecodingPress, KeyDiffPress

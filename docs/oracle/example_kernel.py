@@ -6,7 +6,7 @@ It is checked against refkv's committed golden vectors with :mod:`refkv.testing`
 variant is deliberately wrong, and the kit says where.
 
 Run it from the repository root: ``python docs/oracle/example_kernel.py``.
-(``tests/test_oracle_example.py`` runs it too, so it cannot go stale.)
+(``tests/oracle/test_oracle_example.py`` runs it too, so it cannot go stale.)
 """
 
 from pathlib import Path

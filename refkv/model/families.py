@@ -15,7 +15,7 @@ qwen3     per-head RMSNorm of q and k before RoPE; ``d_head`` (32) twice
           ``d_model / n_heads`` (16); RoPE base 10**6; RMSNorm eps 1e-6
 ========  =======================================================================
 
-``tests/test_conformance_families.py`` checks each against transformers' own
+``tests/model/test_conformance_families.py`` checks each against transformers' own
 implementation of the family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``).
 """
 

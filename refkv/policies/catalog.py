@@ -4,7 +4,7 @@ The README's table and the one of ``docs/policies/index.rst`` are written from e
 class's ``citation``, ``score_rule``, ``protects``, ``implements``, ``needs`` and
 ``evict_before_attention``, in ``table_order``: a new policy appears in both by itself.
 ``python -m refkv.policies.catalog`` rewrites them in place (atomically);
-``tests/test_policies_common.py`` fails while the files and the registry disagree.
+``tests/policies/test_policies_common.py`` fails while the files and the registry disagree.
 """
 
 from __future__ import annotations

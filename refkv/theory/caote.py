@@ -3,7 +3,7 @@
 :func:`attention_output` (Eqs. 10-11), :func:`attention_after_eviction` (Thm 3.1: softmax
 recomputed without token ``j``), :func:`eviction_errors` (Eq. 9: ``||X_attn - X'_attn,j||`` by
 recomputing attention), :func:`attention_only_logits` (App. B.2 case 1: a one-layer decoder
-without norms). Tests: ``tests/test_theory_caote.py``; page: ``docs/theory/caote.rst``.
+without norms). Tests: ``tests/theory/test_theory_caote.py``; page: ``docs/theory/caote.rst``.
 """
 
 from __future__ import annotations

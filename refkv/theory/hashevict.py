@@ -2,7 +2,7 @@
 concentration bounds its tests use.
 
 :func:`angle_fraction`, :func:`hamming_fraction_moments`, :func:`hoeffding_radius`,
-:func:`bernstein_radius`. Tests: ``tests/test_theory_hashevict.py``; page:
+:func:`bernstein_radius`. Tests: ``tests/theory/test_theory_hashevict.py``; page:
 ``docs/theory/hashevict.rst``.
 """
 

@@ -5,7 +5,7 @@
 :func:`brute_force_minimum`, :func:`keydiff_choice`, :func:`eq9_optimality_rate`,
 :func:`attention_weight_of`, :func:`c1_bound` and :func:`c1_bound_corrected` (Thm C.1 /
 Lemma 3.1), :func:`cosine_square_sum` (Lemma C.2), :func:`c3_bound` and
-:func:`c3_bound_tight` (Thm C.3). Tests: ``tests/test_theory_keydiff.py``; page:
+:func:`c3_bound_tight` (Thm C.3). Tests: ``tests/theory/test_theory_keydiff.py``; page:
 ``docs/theory/keydiff.rst``.
 
 KeyDiff's App. C models an attention logit as ``k . q`` with no ``1 / sqrt(d)`` (the scale is

@@ -1,0 +1,75 @@
+"""The experiment numbers quoted by README.rst, concepts.rst and choosing.rst come from the
+published tables through docs/experiment_numbers.py."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import pathlib
+
+import pytest
+
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("experiment_numbers", DOCS / "experiment_numbers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_pages_quote_the_published_tables():
+    """Every generated block of the three pages equals what the tables give now."""
+    numbers = _module()
+    blocks = numbers.render()
+    for name, page in numbers.PAGES.items():
+        text = page.read_text(encoding="utf-8")
+        found = {m["name"]: m["body"] for m in numbers.BLOCK.finditer(text)}
+        assert name in found, f"{page.name} has lost its generated block {name!r}"
+        assert found[name] == blocks[name], f"{page.name}: {name} is stale; run `python docs/experiment_numbers.py`"
+
+
+def test_the_budget_advice_is_the_same_number_everywhere():
+    """README, concepts and choosing state the quarter-budget bound from one value."""
+    numbers = _module()
+    bound = numbers.values()["quarter_within"]
+    for name in ("readme-which-policy", "concepts-budget", "choosing-budget"):
+        assert f"within {bound} of the" in numbers.render()[name]
+
+
+def _edited(tmp_path, policy, budget, value):
+    with open(DOCS / "_static" / "choosing" / "quality_vs_budget.csv", newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        if row["panel"] == "delta_ppl" and row["policy"] == policy and row["budget"] == str(budget):
+            row["value"] = str(value)
+    path = tmp_path / "points.csv"
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def test_a_changed_table_changes_the_pages(tmp_path):
+    """TOVA at N = 256 raised to 1.2 (7% of 17.10): the bound becomes 8%, and every page's
+    block is reported stale."""
+    numbers = _module()
+    changed = numbers.values(_edited(tmp_path, "tova", 256, 1.2))
+    assert changed["quarter_within"] == "8%" and changed["quarter_range"] == "1.7-7.0%"
+    blocks = numbers.render(changed)
+    for page in set(numbers.PAGES.values()):
+        _, stale = numbers.update(page.read_text(encoding="utf-8"), blocks)
+        assert stale, page.name
+
+
+def test_update_rewrites_only_the_blocks():
+    numbers = _module()
+    text = "before\n\n.. experiment-numbers: choosing-kernel\n\nold text\n\n.. experiment-numbers: end\n\nafter\n"
+    new, changed = numbers.update(text, {"choosing-kernel": "new text\n"})
+    assert changed == ["choosing-kernel"]
+    assert new == ("before\n\n.. experiment-numbers: choosing-kernel\n\nnew text\n\n"
+                   ".. experiment-numbers: end\n\nafter\n")
+    with pytest.raises(ValueError, match="not generated here"):
+        numbers.update(text.replace("choosing-kernel", "nowhere"), {"choosing-kernel": "x\n"})

@@ -1,0 +1,233 @@
+"""kvpress's deployments (issue 22 F): scorers under their wrappers, round by round, on refkv's schedule goldens.
+
+Only the public adapter (:func:`refkv.interop.kvpress.write_candidates`) and the CLI
+(``refkv golden check``) are used: each press runs through transformers on the tiny
+model's exported weights, and the check compares every round's kept positions (as sets),
+the key and value each cache row holds, the press's scores and the final logits.
+
+Decoding wrappers run on the committed schedule goldens (``tests/golden``); the prefill
+wrappers on prefill-only schedule goldens made here. Every outcome is asserted: a press
+that matches must pass, a difference by design must fail the way it is described, and a
+kvpress defect is a strict expected failure with its minimal reproduction.
+"""
+
+import pathlib
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the kvpress interop tests need torch: pip install 'refkv[interop]'")
+kvpress = pytest.importorskip("kvpress", reason="the kvpress interop tests need kvpress: pip install 'refkv[interop]'")
+pytest.importorskip("transformers", reason="needs transformers: pip install 'refkv[interop]'")
+
+from refkv import policies  # noqa: E402
+from refkv.cli import main  # noqa: E402
+from refkv.interop.kvpress import write_candidates  # noqa: E402
+from refkv.oracle.endtoend import run_schedule_golden, write_end_to_end  # noqa: E402
+from refkv.schedule import Schedule  # noqa: E402
+
+torch.set_num_threads(1)
+GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "golden"
+
+SCORERS = {"keydiff": lambda: kvpress.KeyDiffPress(), "knorm": lambda: kvpress.KnormPress()}
+DECODING = {
+    "DecodingPress": lambda s: kvpress.DecodingPress(s()),
+    "PrefillDecodingPress": lambda s: kvpress.PrefillDecodingPress(s(), kvpress.DecodingPress(s())),
+    "CompressionRatioDecodingPress": lambda s: kvpress.CompressionRatioDecodingPress(s()),
+}
+
+
+def _check(candidate, reference, policy, *extra) -> int:
+    return main(["golden", "check", str(candidate), "--against", str(reference), "--kind", "e2e",
+                 "--policies", policy, "--allow-missing", "--case-dtype", "all", "--verbose", *extra])
+
+
+def _run(press, reference, tmp_path, policy, capsys, dtype="float32", **kwargs):
+    out = write_candidates(press, reference, tmp_path / "candidate", policy=policy, dtype=dtype, progress=None,
+                           **kwargs)
+    assert out["written"], out["skipped"]
+    capsys.readouterr()
+    code = _check(tmp_path / "candidate", reference, policy, "--dtype", dtype)
+    return code, capsys.readouterr().out, out
+
+
+@pytest.mark.parametrize("wrapper", list(DECODING))
+@pytest.mark.parametrize("scorer", list(SCORERS))
+def test_decoding_wrappers_match_refkv_every_round(scorer, wrapper, tmp_path, capsys):
+    code, report, out = _run(DECODING[wrapper](SCORERS[scorer]), GOLDEN, tmp_path, scorer, capsys)
+    assert code == 0, report
+    assert "rows' keys checked" in report and " 0 rows' keys checked" not in report
+    # each wrapper runs the goldens of its own schedule and says why it skips the others
+    assert all("kvpress treats a second prompt block as decoding" in why or "golden" in why
+               for why in out["skipped"].values())
+
+
+def test_decoding_press_in_bfloat16(tmp_path, capsys):
+    code, report, _ = _run(kvpress.DecodingPress(kvpress.KeyDiffPress()), GOLDEN, tmp_path, "keydiff", capsys,
+                           dtype="bfloat16", golden_dtype="float32")
+    assert code == 0, report
+
+
+def test_a_wrong_press_is_located_at_its_first_round(tmp_path, capsys):
+    """Knorm's decisions offered as KeyDiff's: the report names the round, layer, head and kind."""
+    out = write_candidates(kvpress.DecodingPress(kvpress.KnormPress()), GOLDEN, tmp_path / "c", policy="keydiff",
+                           progress=None)
+    assert out["written"]
+    capsys.readouterr()
+    assert _check(tmp_path / "c", GOLDEN, "keydiff") == 1
+    report = capsys.readouterr().out
+    assert "first diverged at round 0 (decode step 4, 28 tokens seen, budget 16): kept-set difference beyond ties" \
+        in report
+    assert "more divergence(s):" in report
+
+
+# -- the StreamingLLM defect under decoding ---------------------------------------------------------------
+STREAMING_REPRO = """\
+import torch
+from types import SimpleNamespace
+from kvpress import StreamingLLMPress
+press = StreamingLLMPress(compression_ratio=0.5, n_sink=2)
+pos = torch.arange(8.0).reshape(1, 1, 8, 1)  # each row holds its position
+keys, values = press.compress(SimpleNamespace(head_dim=1), None, pos, pos, None, {})  # rows 1, 7, 6, 0
+new = torch.arange(8.0, 12.0).reshape(1, 1, 4, 1)  # four more tokens, then compress again
+keys, values = press.compress(SimpleNamespace(head_dim=1), None, torch.cat([keys, new], 2),
+                              torch.cat([values, new], 2), None, {})
+assert sorted(values.flatten().tolist()) == [0.0, 1.0, 10.0, 11.0], values.flatten()  # got 1, 7, 10, 11
+"""
+STREAMING_DEFECT = ("StreamingLLMPress keeps the first n_sink and last rows of the cache, but ScorerPress.compress "
+                    "leaves rows in topk order, so from the second compression on (DecodingPress, "
+                    "PrefillDecodingPress) the sink tokens are evicted and older tokens kept in place of recent ones")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"kvpress 0.5.5 defect: {STREAMING_DEFECT}")
+def test_streaming_llm_defect_minimal_reproduction():
+    exec(compile(STREAMING_REPRO, "<StreamingLLMPress repro>", "exec"), {})
+
+
+def test_streaming_llm_under_decoding_press_shows_the_defect(tmp_path, capsys):
+    """The defect above, found by the schedule goldens: right at the first compression, wrong from the second.
+
+    When kvpress fixes it, this fails (the check then passes) together with the strict xfail above.
+    """
+    code, report, _ = _run(kvpress.DecodingPress(kvpress.StreamingLLMPress(n_sink=4)), GOLDEN, tmp_path, "sink",
+                           capsys, declare={"kept_only": True})
+    assert code == 1
+    assert "first diverged at round 1" in report and "protected position evicted" in report, report
+
+
+# -- prefill wrappers on prefill-only schedule goldens ------------------------------------------------------
+@pytest.fixture(scope="module")
+def prefill_goldens(tmp_path_factory):
+    """One-shot prefill of 48 tokens to N = 16 and no decoding, float32, per scorer's policy."""
+    root = tmp_path_factory.mktemp("prefill-goldens")
+    for policy in SCORERS:
+        folder = root / "e2e" / policy
+        folder.mkdir(parents=True)
+        m, a = run_schedule_golden(policies.get(policy), Schedule(None, 16, 1, 16, new_tokens=0), dtype="float32",
+                                   prompt_length=48)
+        write_end_to_end(folder / "prefill-N16.json", m, a)
+    return root
+
+
+PREFILL = {  # wrapper -> (make, write_candidates options, expected: "pass" or the failure's words)
+    "bare": (lambda s: s, {}, "pass"),
+    "PerLayerCompressionPress": (lambda s: kvpress.PerLayerCompressionPress(s, [0.5] * 4), {}, "pass"),
+    # re-rotated keys by design: kept sets compared, not the keys or the logits
+    "KeyRerotationPress": (lambda s: kvpress.KeyRerotationPress(s), {"row_keys": False,
+                                                                     "declare": {"kept_only": True}}, "pass"),
+    # chunks compressed one by one, each rounding its own share down: 3 x int(16 * 0.34) = 15 tokens, not 16
+    "ChunkPress": (lambda s: kvpress.ChunkPress(s, chunk_length=16), {}, "kept count differs"),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(PREFILL))
+@pytest.mark.parametrize("scorer", list(SCORERS))
+def test_prefill_wrappers(scorer, wrapper, prefill_goldens, tmp_path, capsys):
+    make, options, expected = PREFILL[wrapper]
+    code, report, _ = _run(make(SCORERS[scorer]()), prefill_goldens, tmp_path, scorer, capsys, **options)
+    if expected == "pass":
+        assert code == 0, report
+    else:
+        assert code == 1 and expected in report, report
+
+
+def test_block_press_is_one_shot_for_independent_scores_only(prefill_goldens, tmp_path, capsys):
+    """BlockPress selects block by block: Knorm's per-token score gives the one-shot set, KeyDiff's
+    set-dependent anchor does not (it is block prompt processing's selection over one-shot attention)."""
+    code, report, _ = _run(kvpress.BlockPress(kvpress.KnormPress(), block_size=8), prefill_goldens, tmp_path / "k",
+                           "knorm", capsys)
+    assert code == 0, report
+    code, report, _ = _run(kvpress.BlockPress(kvpress.KeyDiffPress(), block_size=8), prefill_goldens,
+                           tmp_path / "d", "keydiff", capsys)
+    assert code == 1 and "kept-set difference beyond ties" in report
+
+
+# -- scorers whose kvpress form is not refkv's default policy under decoding ---------------------------------
+DIFFERS = {  # press -> (refkv policy, the first divergence the check reports, why)
+    "TOVAPress": ("tova", "kept-set difference beyond ties",
+                  "the press averages the last query's weights over all query heads (refkv's option "
+                  "all_heads=True), refkv's default over the KV head's group"),
+    "ObservedAttentionPress": ("h2o", "kept-set difference beyond ties",
+                               "under DecodingPress the press sees only the current step's attention, not H2O's "
+                               "accumulated sums (and refkv's H2O keeps a recent window)"),
+    "ExpectedAttentionPress": ("expected_attention", "protected position evicted",
+                               "while decoding the press estimates queries from its buffered hidden states and "
+                               "protects no sink; refkv's policy is kvpress's one-shot form"),
+}
+
+
+@pytest.mark.parametrize("press", list(DIFFERS))
+def test_scorers_that_differ_under_decoding_are_reported_at_round_0(press, tmp_path, capsys):
+    policy, kind, _why = DIFFERS[press]
+    code, report, _ = _run(kvpress.DecodingPress(getattr(kvpress, press)()), GOLDEN, tmp_path, policy, capsys,
+                           golden_dtype="float32")
+    assert code == 1 and f"first diverged at round 0 (decode step 4, 28 tokens seen, budget 16): {kind}" in report
+
+
+def test_snapkv_cannot_run_decoding_rounds_shorter_than_its_window(tmp_path):
+    """kvpress's SnapKVPress needs more buffered queries than its window (64): every 4 tokens is refused."""
+    with pytest.raises(AssertionError, match="should be greater than the window size 64"):
+        write_candidates(kvpress.DecodingPress(kvpress.SnapKVPress()), GOLDEN, tmp_path, policy="snapkv",
+                         progress=None)
+
+
+# -- the table of docs/oracle/decoding.rst, from the outcomes asserted above ---------------------------------
+PRESSES = ("KeyDiffPress", "KnormPress", "StreamingLLMPress", "TOVAPress", "ObservedAttentionPress",
+           "ExpectedAttentionPress", "SnapKVPress")
+WRAPPERS = (*DECODING, "PerLayerCompressionPress", "KeyRerotationPress", "ChunkPress", "BlockPress")
+CLASS = {"keydiff": "KeyDiffPress", "knorm": "KnormPress"}
+
+
+def outcome_table() -> dict:
+    """``{(press, wrapper): status}`` of every combination the tests above run, with their asserted result."""
+    table = {}
+    for scorer in SCORERS:
+        for wrapper in DECODING:
+            table[CLASS[scorer], wrapper] = "matches"
+        for wrapper, (_, options, expected) in PREFILL.items():
+            if wrapper != "bare":
+                declared = " (re-rotated keys declared)" if options else ""
+                table[CLASS[scorer], wrapper] = ("matches" + declared if expected == "pass"
+                                                 else f"differs by design ({expected})")
+    table["KnormPress", "BlockPress"] = "matches"
+    table["KeyDiffPress", "BlockPress"] = "differs by design (block-wise selection over one-shot attention)"
+    table["StreamingLLMPress", "DecodingPress"] = "kvpress defect (sink tokens evicted from the second round)"
+    for press in DIFFERS:
+        table[press, "DecodingPress"] = "differs from refkv's default (round 0)"
+    table["SnapKVPress", "DecodingPress"] = "cannot run (rounds shorter than its window)"
+    return table
+
+
+def table_rst() -> str:
+    lines = [".. list-table::", "   :header-rows: 1", "", "   * - press", *(f"     - {w}" for w in WRAPPERS)]
+    table = outcome_table()
+    for press in PRESSES:
+        lines.append(f"   * - ``{press}``")
+        lines += [f"     - {table.get((press, w), 'not run')}" for w in WRAPPERS]
+    return "\n".join(lines) + "\n"
+
+
+def test_docs_table_is_the_outcomes():
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "oracle" / "decoding.rst").read_text()
+    begin, end = ".. begin-decoding-table\n", ".. end-decoding-table\n"
+    shown = page[page.index(begin) + len(begin):page.index(end)].strip("\n")
+    assert shown == table_rst().strip("\n"), "docs/oracle/decoding.rst's table is stale; paste:\n" + table_rst()
