@@ -90,10 +90,11 @@ def read_regular(path, max_bytes: int, *, what: str = "file", root=None) -> byte
         raise ValueError(f"{path}: no such file ({what})") from None
     except OSError as err:
         raise ValueError(f"{path}: cannot read {what}: {err.strerror or err}") from None
+    st = os.fstat(fd)  # before fdopen, which raises IsADirectoryError on a folder
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ValueError(f"{path}: {what} must be a regular file, but it is {file_kind(st.st_mode)}")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{path}: {what} must be a regular file, but it is {file_kind(st.st_mode)}")
         if st.st_size > max_bytes:
             raise ValueError(f"{path}: {what} has {st.st_size} bytes, more than the {max_bytes} allowed")
         data = f.read(max_bytes + 1)
