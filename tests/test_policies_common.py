@@ -104,11 +104,11 @@ def check_run(name, model, tokens, budget, block):
 @pytest.mark.parametrize("name", POLICIES)
 def test_listed_by_refkv_policies(name, capsys):
     cls = policy_class(name)
-    assert cls.summary and cls.paper
+    assert cls.card.summary and cls.card.paper
     assert main(["policies"]) == 0
     lines = capsys.readouterr().out.splitlines()
     index = next(i for i, line in enumerate(lines) if line.split() and line.split()[0] == name)
-    assert cls.summary in lines[index] and cls.paper in lines[index + 1]
+    assert cls.card.summary in lines[index] and cls.card.paper in lines[index + 1]
 
 
 @pytest.mark.parametrize("block", [1, 3, None])

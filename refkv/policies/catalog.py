@@ -1,8 +1,8 @@
 """The policy tables of the documentation, generated from the registry.
 
 The README's table and the one of ``docs/policies/index.rst`` are written from each policy
-class's ``citation``, ``score_rule``, ``protects``, ``implements``, ``needs`` and
-``evict_before_attention``, in ``table_order``: a new policy appears in both by itself.
+class's card (``citation``, ``score_rule``, ``protects``, ``implements``), ``needs`` and
+``evict_before_attention``, in the card's ``table_order``: a new policy appears in both by itself.
 ``python -m refkv.policies.catalog`` rewrites them in place (atomically);
 ``tests/test_policies_common.py`` fails while the files and the registry disagree.
 """
@@ -28,7 +28,7 @@ def ordered_classes() -> list[type[Policy]]:
     """Registered policy classes whose code is in refkv, in ``table_order`` (then name)."""
     classes = [policy_class(name) for name in available()]
     ours = [cls for cls in classes if cls.__module__.startswith("refkv.")]
-    return sorted(ours, key=lambda cls: (cls.table_order, cls.name))
+    return sorted(ours, key=lambda cls: (cls.card.table_order, cls.name))
 
 
 def _evicts(cls: type[Policy]) -> str:
@@ -45,7 +45,8 @@ def docs_table(pages: Path) -> str:
     rows = [header]
     for cls in ordered_classes():
         link = f":doc:`{cls.name}`" if (pages / f"{cls.name}.rst").exists() else f"``{cls.name}``"
-        rows.append([link, cls.citation or cls.paper, cls.score_rule or "--", cls.protects,
+        card = cls.card
+        rows.append([link, card.citation or card.paper, card.score_rule or "--", card.protects,
                      "yes" if "attention" in cls.needs else "no", _evicts(cls)])
     for row in rows:
         lines.append(f"   * - {row[0]}")
@@ -56,7 +57,7 @@ def docs_table(pages: Path) -> str:
 def readme_table() -> str:
     """The README's simple table: policy, what is implemented, module."""
     width = 45
-    rows = [(cls.name, textwrap.wrap(cls.implements or cls.summary, width),
+    rows = [(cls.name, textwrap.wrap(cls.card.implements or cls.card.summary, width),
              f"``{cls.__module__.replace('.', '/')}.py``") for cls in ordered_classes()]
     w0 = max(len("policy"), *(len(r[0]) for r in rows)) + 2
     w2 = max(len("module"), *(len(r[2]) for r in rows))
