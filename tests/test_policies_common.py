@@ -199,31 +199,6 @@ def test_runs_on_the_real_model(name, smollm2):
     assert engine.stats.evictions > 0
 
 
-# -- the generated tables ---------------------------------------------------------------------
-def test_policy_tables_are_generated_from_the_registry():
-    """README.rst and docs/policies/index.rst hold exactly the tables refkv.policies.catalog writes."""
-    import pathlib
-
-    from refkv.policies import catalog
-
-    root = pathlib.Path(__file__).resolve().parent.parent
-    stale = catalog.update_files(root, write=False)
-    assert stale == [], f"run `python -m refkv.policies.catalog` to regenerate the tables of {stale}"
-    # Every registered refkv policy is a row of both, and the docs row states its true signals.
-    readme = (root / "README.rst").read_text(encoding="utf-8")
-    docs = (root / "docs" / "policies" / "index.rst").read_text(encoding="utf-8")
-    for cls in catalog.ordered_classes():
-        assert f"\n{cls.name} " in readme and f"{cls.name}`" in docs, cls.name
-
-
-def test_replace_block_rewrites_only_the_table():
-    from refkv.policies import catalog
-
-    text = f"intro\n\n{catalog.DOCS_TABLE_HEAD}\n   :header-rows: 1\n\n   * - old\n     - row\n\nafter\n"
-    new = catalog.replace_block(text, "docs", "TABLE\n")
-    assert new == "intro\n\nTABLE\n\nafter\n"
-
-
 # -- the protocol -------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", available())
 def test_no_policy_overrides_keep_indices(name):

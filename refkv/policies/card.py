@@ -7,7 +7,7 @@ Every policy class declares one :class:`PolicyCard` as its ``card`` class attrib
 
 Nothing in a card changes a decision: the engine and the selection never read it. Its
 readers are ``refkv policies`` (``summary``, ``paper``), the generated policy tables of the
-README and the docs (:mod:`refkv.policies.catalog`: ``citation``, ``score_rule``, ``protects``,
+README and the docs (``docs/policy_tables.py``: ``citation``, ``score_rule``, ``protects``,
 ``implements``, ``table_order``), the experiments (``label``, ``table_order``,
 ``experiment_specs``) and the golden suite (``variants``). The protocol the engine calls
 (``needs``, ``evict_before_attention``, ...) stays on :class:`refkv.policies.Policy`.
