@@ -42,9 +42,10 @@ import numpy as np
 
 from .. import policies as policy_registry
 from ..engine import Engine
+from ..files import atomic_write
 from ..policies import Policy
 from .endtoend import build_model, end_to_end_files, prompt_tokens, run_end_to_end
-from .io import atomic_write, dumps, read_json, read_npz, sha256
+from .io import dumps, read_json, read_npz, sha256
 from .schema import SUITE_SCHEMA, check_header, header, require
 from .synthetic import (
     Tokens,
