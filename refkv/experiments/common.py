@@ -413,13 +413,8 @@ def write_csv(path, rows: list[dict], columns: list[str] | None = None) -> Path:
     writer.writeheader()
     for row in rows:
         writer.writerow({k: _cell(row.get(k)) for k in columns})
-    write_text(path, buffer.getvalue())
+    atomic_write(path, buffer.getvalue())
     return path
-
-
-def write_text(path, text: str) -> Path:
-    """Write ``text`` atomically (:func:`refkv.files.atomic_write`)."""
-    return atomic_write(path, text)
 
 
 def mean_std(values) -> tuple[float, float, int]:
