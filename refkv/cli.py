@@ -210,8 +210,8 @@ def _cmd_policies(args) -> int:
     width = max(map(len, names))  # the longest name sets the column, so every row lines up
     for name in names:
         cls = policies.policy_class(name)
-        print(f"{name:<{width}}  {cls.summary}")
-        print(f"{'':<{width}}  paper: {cls.paper}; defaults: {cls().describe()}")
+        print(f"{name:<{width}}  {cls.card.summary}")
+        print(f"{'':<{width}}  paper: {cls.card.paper}; defaults: {cls().describe()}")
     return 0
 
 

@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 #: The CAOTE variants of the default list with FastCAOTE (Eq. 22) instead.
-FAST_CAOTE = tuple(f"{spec},fast=True" for spec in policies.policy_class("caote").experiment_specs)
+FAST_CAOTE = tuple(f"{spec},fast=True" for spec in policies.policy_class("caote").card.experiment_specs)
 
 _MODELS: dict[tuple[str, str], tuple] = {}
 _TOKENS: dict[tuple, np.ndarray] = {}
@@ -91,18 +91,18 @@ def format_spec_label(spec: str) -> str:
     name, params = parse_spec(spec)
     if name == "caote" and set(params) <= {"base", "fast"}:
         base = str(params.get("base", "h2o"))
-        upper = (policies.policy_class(base).label or base) if base in policies.available() else base
+        upper = (policies.policy_class(base).card.label or base) if base in policies.available() else base
         return f"{upper}+{'Fast' if params.get('fast') else ''}CAOTE"
-    return (policies.policy_class(name).label or name) if spec == name else spec
+    return (policies.policy_class(name).card.label or name) if spec == name else spec
 
 
 def evicting_policies() -> list[str]:
     """The default specs of every evicting policy, in ``table_order``: each class's
     ``experiment_specs``, or its name (classes with ``in_experiments = False`` left out)."""
     classes = sorted((policies.policy_class(name) for name in policies.available()),
-                     key=lambda cls: (cls.table_order, cls.name))
+                     key=lambda cls: (cls.card.table_order, cls.name))
     return [spec for cls in classes if cls.evicts and cls.in_experiments
-            for spec in (cls.experiment_specs or (cls.name,))]
+            for spec in (cls.card.experiment_specs or (cls.name,))]
 
 
 def default_policies(extra: tuple[str, ...] = (), *, caote: bool = True) -> list[str]:
@@ -413,13 +413,8 @@ def write_csv(path, rows: list[dict], columns: list[str] | None = None) -> Path:
     writer.writeheader()
     for row in rows:
         writer.writerow({k: _cell(row.get(k)) for k in columns})
-    write_text(path, buffer.getvalue())
+    atomic_write(path, buffer.getvalue())
     return path
-
-
-def write_text(path, text: str) -> Path:
-    """Write ``text`` atomically (:func:`refkv.files.atomic_write`)."""
-    return atomic_write(path, text)
 
 
 def mean_std(values) -> tuple[float, float, int]:

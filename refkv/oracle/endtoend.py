@@ -34,9 +34,10 @@ from pathlib import Path
 import numpy as np
 
 from ..engine import Engine, blocks
+from ..files import atomic_write
 from ..model import Model, builtin_model, families
 from ..policies import Policy
-from .io import atomic_write, dumps, npz_bytes, read_json, read_npz, sha256, write_json, write_npz
+from .io import dumps, npz_bytes, read_json, read_npz, sha256, write_json, write_npz
 from .schema import E2E_SCHEMA, FLOAT_FORMAT, SCHEDULE_VERSION, check_header, header, require
 from .vectors import boundary_gap, json_params
 

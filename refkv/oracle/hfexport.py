@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import atomic_write
 from ..model import Model
 from ..model.config import ModelConfig
-from .io import atomic_write
 
 __all__ = ["HF_NAMES", "hf_config_dict", "hf_tensors", "safetensors_bytes", "write_checkpoint"]
 

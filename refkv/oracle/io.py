@@ -1,8 +1,9 @@
 """Writing and reading golden files: atomic, deterministic, never pickled.
 
-* Writes go to a temporary file in the destination directory, are flushed to disk, and
-  then renamed over the destination with :func:`os.replace`, so a reader never sees a
-  half-written file and an interrupted run leaves the old file intact.
+* Writes go through :func:`refkv.files.atomic_write`: to a temporary file in the
+  destination directory, flushed to disk, and then renamed over the destination with
+  :func:`os.replace`, so a reader never sees a half-written file and an interrupted run
+  leaves the old file intact.
 * The same content gives the same bytes: JSON keys keep their insertion order, arrays are
   written one per line, and ``.npz`` members carry a fixed timestamp (NumPy's own
   ``savez`` stamps the current time).
@@ -24,19 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..files import atomic_write as _atomic_write
-from ..files import parse_json, read_regular
+from ..files import atomic_write, parse_json, read_regular
 from .schema import ARRAY_DTYPES
 
-__all__ = ["atomic_write", "dumps", "npz_bytes", "read_json", "read_npz", "sha256", "write_json", "write_npz"]
+__all__ = ["dumps", "npz_bytes", "read_json", "read_npz", "sha256", "write_json", "write_npz"]
 
 # A fixed member timestamp (the earliest a zip file can hold) makes .npz bytes reproducible.
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
-
-
-def atomic_write(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (:func:`refkv.files.atomic_write`)."""
-    _atomic_write(path, data)
 
 
 def _is_encoded_array(obj) -> bool:

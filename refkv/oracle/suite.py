@@ -15,7 +15,7 @@ fit, a block larger than the budget of a policy that evicts before attention (so
 HashEvict and MAT have no one-shot cases) -- are skipped through the policy's own
 ValueError and listed in ``suite.json`` under ``skipped``; nothing here names a policy:
 :data:`VARIANTS`, the extra parameter sets that widen the coverage of policies with
-options, are the policy classes' ``variants``.
+options, are the policy classes' ``card.variants``.
 
 Two regimes are covered (a case's ``mode``): **one-shot** (the whole prompt is one block:
 full square causal attention over all ``T`` tokens, then one eviction to ``N``; what
@@ -42,9 +42,10 @@ import numpy as np
 
 from .. import policies as policy_registry
 from ..engine import Engine
+from ..files import atomic_write
 from ..policies import Policy
 from .endtoend import build_model, end_to_end_files, prompt_tokens, run_end_to_end
-from .io import atomic_write, dumps, read_json, read_npz, sha256
+from .io import dumps, read_json, read_npz, sha256
 from .schema import SUITE_SCHEMA, check_header, header, require
 from .synthetic import (
     Tokens,
@@ -67,11 +68,11 @@ __all__ = ["BUDGETS", "E2E_MODELS", "E2E_SETTINGS", "ONESHOT_SETTINGS", "RECIPES
 BUDGETS = (6, 8, 12, 16, 24, 40)
 
 #: Extra parameter sets per policy (beyond the defaults), with a reduced set of recipes: each
-#: policy class's ``variants``.
+#: policy class's ``card.variants``.
 #: A set a policy rejects (ValueError/TypeError) is skipped and listed.
 VARIANTS: dict[str, list[dict]] = {
-    name: [dict(v) for v in policy_registry.policy_class(name).variants]
-    for name in policy_registry.available() if policy_registry.policy_class(name).variants}
+    name: [dict(v) for v in policy_registry.policy_class(name).card.variants]
+    for name in policy_registry.available() if policy_registry.policy_class(name).card.variants}
 
 
 #: Meta-policies whose defaults run over SnapKV's default window of 32 (so their cases need

@@ -381,8 +381,8 @@ def vectors_document(policy_name: str, groups: list[tuple[dict, list[dict]]]) ->
         **header(VECTORS_SCHEMA),
         "float_format": FLOAT_FORMAT,
         "policy": policy_name,
-        "summary": cls.summary,
-        "paper": cls.paper,
+        "summary": cls.card.summary,
+        "paper": cls.card.paper,
         "needs": sorted(sample.needs),
         "evict_before_attention": bool(sample.evict_before_attention),
         "description": [

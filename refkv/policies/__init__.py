@@ -37,6 +37,7 @@ from .base import (
     select,
     select_heads,
 )
+from .card import PolicyCard
 
-__all__ = ["SIGNALS", "AttentionNeed", "Policy", "View", "available", "check_int", "first_tokens", "get",
-           "policy_class", "recent_tokens", "register", "select", "select_heads"]
+__all__ = ["SIGNALS", "AttentionNeed", "Policy", "PolicyCard", "View", "available", "check_int", "first_tokens",
+           "get", "policy_class", "recent_tokens", "register", "select", "select_heads"]

@@ -34,6 +34,7 @@ from ..model.config import ModelConfig
 from ..validation import check_choice, check_float
 from .base import Policy, View, available, get, policy_class, register
 from .caote import normalise
+from .card import PolicyCard
 from .full import Full
 
 __all__ = ["FORMS", "AdaKV", "allocate", "build_base", "head_view", "safeguard"]
@@ -209,18 +210,20 @@ class AdaKV(Policy):
     """
 
     name = "adakv"
-    summary = "Ada-KV: a layer's N x Hkv budget allocated across its KV heads by the top scores of all heads"
-    paper = "Feng et al. 2024, Ada-KV, Algorithm 1 with the safeguard alpha = 0.2 (base: snapkv by default)"
-    label = "AdaKV"
-    citation = "Ada-KV (Feng et al. 2024), meta-policy"
-    score_rule = "a base's scores, normalised per head; top :math:`N H_{kv}` over the layer's heads"
-    protects = "the base's; :math:`\\lfloor\\alpha N\\rfloor` per head"
-    implements = "Ada-KV: head-adaptive budgets (Alg. 1, safeguard) over any base; kvpress's AdaKVPress as form"
-    table_order = 110
+    card = PolicyCard(
+        summary="Ada-KV: a layer's N x Hkv budget allocated across its KV heads by the top scores of all heads",
+        paper="Feng et al. 2024, Ada-KV, Algorithm 1 with the safeguard alpha = 0.2 (base: snapkv by default)",
+        label="AdaKV",
+        citation="Ada-KV (Feng et al. 2024), meta-policy",
+        score_rule="a base's scores, normalised per head; top :math:`N H_{kv}` over the layer's heads",
+        protects="the base's; :math:`\\lfloor\\alpha N\\rfloor` per head",
+        implements="Ada-KV: head-adaptive budgets (Alg. 1, safeguard) over any base; kvpress's AdaKVPress as form",
+        table_order=110,
+        variants=({"base": "snapkv", "base_params": {"window": 4, "kernel": 3}},
+                  {"base": "h2o"},
+                  {"base": "keydiff", "form": "kvpress"}),
+    )
     in_experiments = False  # uneven caches: the experiments read N real tokens per head
-    variants = ({"base": "snapkv", "base_params": {"window": 4, "kernel": 3}},
-                {"base": "h2o"},
-                {"base": "keydiff", "form": "kvpress"})
     needs = frozenset({"attention"})
 
     base: Any = "snapkv"

@@ -56,6 +56,7 @@ from ..attention import AttentionNeed, AttentionSummary
 from ..cache import EMPTY, FieldSpec
 from ..model.config import ModelConfig
 from ..validation import check_int  # re-exported: policies import it from here
+from .card import PolicyCard
 
 __all__ = [
     "SIGNALS",
@@ -208,18 +209,12 @@ class Policy:
     ----------
     name : str
         Registry name.
-    summary : str
-        One line for ``refkv policies``.
-    paper : str
-        Where the policy comes from.
+    card : PolicyCard
+        How the policy is presented and exercised, apart from what it computes: its
+        summary, paper, label, table cells and order, the experiments' default specs and
+        the golden suite's extra parameter sets (:mod:`refkv.policies.card`).
     needs : frozenset of str
         Subset of :data:`SIGNALS`.
-    label : str
-        How tables and plots name it (default: ``name``).
-    citation, score_rule, protects, implements : str
-        One line each for the generated policy tables (:mod:`refkv.policies.catalog`): the
-        paper in short, what the score is, what is protected (reST), and what of the paper
-        is implemented (the README).
     evict_before_attention : bool
         If true, the engine evicts from the cache *before* the block attends, down to
         ``N - B`` tokens (``view.keep``), so the block attends to at most ``N``
@@ -229,17 +224,10 @@ class Policy:
         normalised into weights (CAOTE refuses a base that does not declare it).
     evicts : bool
         False for the no-eviction baseline only; experiments compare the others.
-    experiment_specs : tuple of str
-        The policy specs (:mod:`refkv.policies.spec`) the experiments run by default
-        (empty: the policy's name alone, if it evicts).
     in_experiments : bool
         False leaves the policy out of the experiments' default lists (AdaKV and PyramidKV:
         the experiments' measurements read every head's cache as ``N`` real tokens, and
         their registered plans predate these policies); it can still be named explicitly.
-    table_order : int
-        Where tables and the experiments list it (smaller first, then by name).
-    variants : tuple of dict
-        Extra parameter sets, beyond the defaults, that the golden suite covers.
 
     Methods
     -------
@@ -250,21 +238,12 @@ class Policy:
     """
 
     name: ClassVar[str] = ""
-    summary: ClassVar[str] = ""
-    paper: ClassVar[str] = ""
-    label: ClassVar[str] = ""
-    citation: ClassVar[str] = ""
-    score_rule: ClassVar[str] = ""
-    protects: ClassVar[str] = "--"
-    implements: ClassVar[str] = ""
+    card: ClassVar[PolicyCard] = PolicyCard()
     needs: ClassVar[frozenset] = frozenset()
     evict_before_attention: ClassVar[bool] = False
     nonnegative_scores: ClassVar[bool] = False
     evicts: ClassVar[bool] = True
-    experiment_specs: ClassVar[tuple[str, ...]] = ()
     in_experiments: ClassVar[bool] = True
-    table_order: ClassVar[int] = 1000
-    variants: ClassVar[tuple[dict, ...]] = ()
 
     # -- the protocol ----------------------------------------------------------------
     def check(self, budget: int, config: ModelConfig) -> None:
@@ -451,6 +430,8 @@ def register(cls: type[Policy]) -> type[Policy]:
     bad = set(cls.needs) - SIGNALS
     if bad:
         raise ValueError(f"{cls.__name__}.needs has unknown signals {sorted(bad)}")
+    if not isinstance(cls.card, PolicyCard):
+        raise ValueError(f"{cls.__name__}.card must be a PolicyCard, got {type(cls.card).__name__}")
     _REGISTRY[cls.name] = cls
     return cls
 

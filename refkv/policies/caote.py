@@ -27,6 +27,7 @@ import numpy as np
 from ..cache import FieldSpec
 from ..model.config import ModelConfig
 from .base import AttentionNeed, Policy, View, available, get, policy_class, register
+from .card import PolicyCard
 from .full import Full
 
 __all__ = ["Caote", "caote_scores", "fast_caote_scores", "normalise"]
@@ -193,17 +194,19 @@ class Caote(Policy):
     """
 
     name = "caote"
-    summary = "CAOTE/FastCAOTE meta-policy: attention-output error of evicting each token, over a base policy"
-    paper = "CAOTE, Eqs. 8, 19-22 (base: h2o by default; fast=True for FastCAOTE)"
-    label = "CAOTE"
-    citation = "CAOTE (Goel et al. 2025), meta-policy"
-    score_rule = "attention-output change if evicted, Eq. 8, over a base's scores"
-    protects = "the base's"
-    implements = "CAOTE: Eqs. 8, 19-22 as a meta-policy over any non-negative score; FastCAOTE"
-    table_order = 100
-    experiment_specs = ("caote:base=h2o", "caote:base=tova", "caote:base=snapkv")
-    variants = ({"fast": True}, {"base": "tova"},
-                {"base": "snapkv", "base_params": {"window": 4, "kernel": 3}})
+    card = PolicyCard(
+        summary="CAOTE/FastCAOTE meta-policy: attention-output error of evicting each token, over a base policy",
+        paper="CAOTE, Eqs. 8, 19-22 (base: h2o by default; fast=True for FastCAOTE)",
+        label="CAOTE",
+        citation="CAOTE (Goel et al. 2025), meta-policy",
+        score_rule="attention-output change if evicted, Eq. 8, over a base's scores",
+        protects="the base's",
+        implements="CAOTE: Eqs. 8, 19-22 as a meta-policy over any non-negative score; FastCAOTE",
+        table_order=100,
+        experiment_specs=("caote:base=h2o", "caote:base=tova", "caote:base=snapkv"),
+        variants=({"fast": True}, {"base": "tova"},
+                  {"base": "snapkv", "base_params": {"window": 4, "kernel": 3}}),
+    )
     needs = frozenset({"attention", "values"})
     nonnegative_scores = True
 

@@ -62,6 +62,7 @@ from ..model.config import ModelConfig
 from ..model.layers import apply_rope, rope_angles, rope_frequencies_of
 from ..validation import MAX_CONTEXT, check_float, check_int
 from .base import Policy, View, first_tokens, register
+from .card import PolicyCard
 
 __all__ = ["ExpectedAttention", "averaged_rotation", "expected_logits", "query_statistics", "unrotated_queries"]
 
@@ -144,19 +145,21 @@ class ExpectedAttention(Policy):
     """
 
     name = "expected_attention"
-    summary = "ExpectedAttention: softmax of expected logits of future queries (Gaussian, RoPE-averaged) x |v|"
-    paper = "kvpress ExpectedAttentionPress (NVIDIA); F = 512, s = 4, covariance and value norm on"
-    label = "ExpectedAttention"
-    citation = "ExpectedAttention (kvpress, NVIDIA 2025)"
-    score_rule = (r"softmax of :math:`\mu'\cdot k/\sqrt d + k^\top\Sigma' k/2d` (Gaussian future queries), "
-                  r"times :math:`\lVert v\rVert`")
-    protects = "first 4"
-    implements = ("ExpectedAttention (kvpress): Gaussian query statistics before RoPE, averaged future "
-                  "rotation, expected attention x value norm")
-    table_order = 65
+    card = PolicyCard(
+        summary="ExpectedAttention: softmax of expected logits of future queries (Gaussian, RoPE-averaged) x |v|",
+        paper="kvpress ExpectedAttentionPress (NVIDIA); F = 512, s = 4, covariance and value norm on",
+        label="ExpectedAttention",
+        citation="ExpectedAttention (kvpress, NVIDIA 2025)",
+        score_rule=(r"softmax of :math:`\mu'\cdot k/\sqrt d + k^\top\Sigma' k/2d` (Gaussian future queries), "
+                    r"times :math:`\lVert v\rVert`"),
+        protects="first 4",
+        implements=("ExpectedAttention (kvpress): Gaussian query statistics before RoPE, averaged future "
+                    "rotation, expected attention x value norm"),
+        table_order=65,
+        variants=({"use_covariance": False}, {"use_vnorm": False, "n_future_positions": 16}),
+    )
     needs = frozenset({"keys", "values", "queries", "positions"})
     nonnegative_scores = True
-    variants = ({"use_covariance": False}, {"use_vnorm": False, "n_future_positions": 16})
 
     n_future_positions: int = 512
     n_sink: int = 4

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .base import Policy, View, register
+from .card import PolicyCard
 
 __all__ = ["Full"]
 
@@ -22,14 +23,16 @@ class Full(Policy):
     """
 
     name = "full"
-    summary = "never evict; the no-eviction baseline"
-    paper = "-"
-    label = "no eviction"
-    citation = "no eviction (baseline)"
-    score_rule = "--"
-    protects = "everything"
-    implements = "no eviction (baseline)"
-    table_order = 0
+    card = PolicyCard(
+        summary="never evict; the no-eviction baseline",
+        paper="-",
+        label="no eviction",
+        citation="no eviction (baseline)",
+        score_rule="--",
+        protects="everything",
+        implements="no eviction (baseline)",
+        table_order=0,
+    )
     evicts = False
     nonnegative_scores = True
 

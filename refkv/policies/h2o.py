@@ -20,6 +20,7 @@ import numpy as np
 from ..cache import FieldSpec
 from ..model.config import ModelConfig
 from .base import AttentionNeed, Policy, View, check_int, recent_tokens, register
+from .card import PolicyCard
 
 __all__ = ["FIELD", "H2O", "accumulated_attention"]
 
@@ -87,15 +88,17 @@ class H2O(Policy):
     """
 
     name = "h2o"
-    summary = "H2O: accumulated attention (heavy hitters) + last r tokens (r = N // 2)"
-    paper = "Zhang et al. 2023, H2O; phi = A_prev + A^T 1 (KeyDiff App. A.1)"
-    label = "H2O"
-    citation = "H2O (Zhang et al. 2023)"
-    score_rule = "attention accumulated over all queries so far"
-    protects = "last :math:`N/2`"
-    implements = "H2O (Zhang et al. 2023): accumulated attention + recent window"
-    table_order = 30
-    variants = ({"recent": 2},)
+    card = PolicyCard(
+        summary="H2O: accumulated attention (heavy hitters) + last r tokens (r = N // 2)",
+        paper="Zhang et al. 2023, H2O; phi = A_prev + A^T 1 (KeyDiff App. A.1)",
+        label="H2O",
+        citation="H2O (Zhang et al. 2023)",
+        score_rule="attention accumulated over all queries so far",
+        protects="last :math:`N/2`",
+        implements="H2O (Zhang et al. 2023): accumulated attention + recent window",
+        table_order=30,
+        variants=({"recent": 2},),
+    )
     needs = frozenset({"attention"})
     #: Scores are sums of attention weights, >= 0 (CAOTE may wrap this policy).
     nonnegative_scores = True

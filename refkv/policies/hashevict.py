@@ -56,6 +56,7 @@ from ..cache import FieldSpec
 from ..lsh import gaussian_planes, hamming, pack_codes, simhash
 from ..model.config import ModelConfig
 from .base import Policy, View, check_int, first_tokens, recent_tokens, register
+from .card import PolicyCard
 
 #: Most SimHash bits per code (the paper uses 16; 1024 bits already cost 128 bytes per token and head).
 MAX_BITS = 1024
@@ -109,16 +110,18 @@ class HashEvict(Policy):
     """
 
     name = "hashevict"
-    summary = "HashEvict: SimHash Hamming distance of query and keys, evict before attention; attention-free"
-    paper = "Liu et al. 2024, HashEvict, Algorithm 1, Eqs. 2-6; c = 16, first 4 + last 10 kept"
-    label = "HashEvict"
-    citation = "HashEvict (Liu et al. 2024)"
-    score_rule = ":math:`-` Hamming distance of SimHash codes of query and key, :math:`c = 16`"
-    protects = "first 4, last 10"
-    implements = ("HashEvict: Algorithm 1, Eqs. 2-6, SimHash codes as cache state (refkv/lsh.py), eviction before "
-                  "attention; query or key hashing")
-    table_order = 80
-    variants = ({"hash": "key"}, {"block_query": "last"})
+    card = PolicyCard(
+        summary="HashEvict: SimHash Hamming distance of query and keys, evict before attention; attention-free",
+        paper="Liu et al. 2024, HashEvict, Algorithm 1, Eqs. 2-6; c = 16, first 4 + last 10 kept",
+        label="HashEvict",
+        citation="HashEvict (Liu et al. 2024)",
+        score_rule=":math:`-` Hamming distance of SimHash codes of query and key, :math:`c = 16`",
+        protects="first 4, last 10",
+        implements=("HashEvict: Algorithm 1, Eqs. 2-6, SimHash codes as cache state (refkv/lsh.py), eviction before "
+                    "attention; query or key hashing"),
+        table_order=80,
+        variants=({"hash": "key"}, {"block_query": "last"}),
+    )
     needs = frozenset({"keys", "queries", "positions"})
     evict_before_attention = True
 

@@ -58,6 +58,7 @@ import numpy as np
 
 from ..validation import check_float
 from .base import Policy, View, recent_tokens, register
+from .card import PolicyCard
 
 __all__ = ["ANCHORS", "EPS", "MAX_EPS", "METRICS", "KeyDiff", "anchor", "anchor_scores", "cosine", "pairwise_scores",
            "unit_keys"]
@@ -262,17 +263,19 @@ class KeyDiff(Policy):
     """
 
     name = "keydiff"
-    summary = "KeyDiff: keep keys least similar (cosine) to the mean unit key; attention-free"
-    paper = "Park et al. 2025, KeyDiff, Eqs. 7-8, Tables 2, 3, 11; eps = 1e-8 (App. A.2.1)"
-    label = "KeyDiff"
-    citation = "KeyDiff (Park et al. 2025)"
-    score_rule = r":math:`-\cos(k_i, \text{mean unit key})`, Eq. 8"
-    protects = "--"
-    implements = ("KeyDiff (Park et al. 2025): Eqs. 7-8, anchor and metric ablations (Tables 2, 3), recent reserve "
-                  "(Table 11)")
-    table_order = 70
-    variants = ({"anchor": "pairwise"}, {"anchor": "mean"}, {"anchor": "median"}, {"metric": "dot"},
-                {"metric": "euclidean"}, {"reserve": 0.25})
+    card = PolicyCard(
+        summary="KeyDiff: keep keys least similar (cosine) to the mean unit key; attention-free",
+        paper="Park et al. 2025, KeyDiff, Eqs. 7-8, Tables 2, 3, 11; eps = 1e-8 (App. A.2.1)",
+        label="KeyDiff",
+        citation="KeyDiff (Park et al. 2025)",
+        score_rule=r":math:`-\cos(k_i, \text{mean unit key})`, Eq. 8",
+        protects="--",
+        implements=("KeyDiff (Park et al. 2025): Eqs. 7-8, anchor and metric ablations (Tables 2, 3), recent reserve "
+                    "(Table 11)"),
+        table_order=70,
+        variants=({"anchor": "pairwise"}, {"anchor": "mean"}, {"anchor": "median"}, {"metric": "dot"},
+                  {"metric": "euclidean"}, {"reserve": 0.25}),
+    )
     needs = frozenset({"keys", "positions"})
 
     anchor: str = "unit_mean"

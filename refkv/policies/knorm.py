@@ -37,6 +37,7 @@ import numpy as np
 
 from ..model.config import ModelConfig
 from .base import Policy, View, check_int, first_tokens, recent_tokens, register
+from .card import PolicyCard
 
 __all__ = ["Knorm", "key_norm_scores"]
 
@@ -70,15 +71,17 @@ class Knorm(Policy):
     """
 
     name = "knorm"
-    summary = "L2 norm: keep the keys of lowest L2 norm; attention-free"
-    paper = "Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"
-    label = "L2 norm (knorm)"
-    citation = "L2 norm (Devoto et al. 2024)"
-    score_rule = r":math:`-\lVert k_i\rVert`"
-    protects = "--"
-    implements = "L2 norm (Devoto et al. 2024), optional skipped layers"
-    table_order = 60
-    variants = ({"skip_layers": (0, 3)},)
+    card = PolicyCard(
+        summary="L2 norm: keep the keys of lowest L2 norm; attention-free",
+        paper="Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression",
+        label="L2 norm (knorm)",
+        citation="L2 norm (Devoto et al. 2024)",
+        score_rule=r":math:`-\lVert k_i\rVert`",
+        protects="--",
+        implements="L2 norm (Devoto et al. 2024), optional skipped layers",
+        table_order=60,
+        variants=({"skip_layers": (0, 3)},),
+    )
     needs = frozenset({"keys", "positions"})
 
     skip_layers: tuple = ()

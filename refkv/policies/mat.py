@@ -73,6 +73,7 @@ import numpy as np
 from ..cache import FieldSpec
 from ..model.config import ModelConfig
 from .base import Policy, View, check_int, first_tokens, recent_tokens, register, select
+from .card import PolicyCard
 
 __all__ = ["LOGIT_FIELD", "MAT", "anchor_logits", "closed_form_keep", "default_beta", "streaming_keep"]
 
@@ -201,16 +202,18 @@ class MAT(Policy):
     """
 
     name = "mat"
-    summary = "MAT: deep layers keep first token + window + tokens of lowest logit to the first key"
-    paper = "MAT (Managing Anchor Tokens), Algorithm 1, Eqs. 3-5; L_s = 2, beta = N // 4, s = 4"
-    label = "MAT"
-    citation = "MAT (anchor tokens)"
-    score_rule = r"deep layers: :math:`-q_i\cdot k_0/\sqrt d`; shallow: recency"
-    protects = "first token + last :math:`N - N/4` (deep); first 4 + window (shallow)"
-    implements = ("MAT: Algorithm 1, Eqs. 3-5, deep/shallow layers; closed form and the literal streaming argmax, "
-                  "proven equal by a test")
-    table_order = 90
-    variants = ({"beta": 2},)
+    card = PolicyCard(
+        summary="MAT: deep layers keep first token + window + tokens of lowest logit to the first key",
+        paper="MAT (Managing Anchor Tokens), Algorithm 1, Eqs. 3-5; L_s = 2, beta = N // 4, s = 4",
+        label="MAT",
+        citation="MAT (anchor tokens)",
+        score_rule=r"deep layers: :math:`-q_i\cdot k_0/\sqrt d`; shallow: recency",
+        protects="first token + last :math:`N - N/4` (deep); first 4 + window (shallow)",
+        implements=("MAT: Algorithm 1, Eqs. 3-5, deep/shallow layers; closed form and the literal streaming argmax, "
+                    "proven equal by a test"),
+        table_order=90,
+        variants=({"beta": 2},),
+    )
     needs = frozenset({"keys", "queries", "positions"})
     evict_before_attention = True
 

@@ -28,6 +28,7 @@ from ..model.config import ModelConfig
 from ..validation import check_choice, check_float, check_int
 from .adakv import build_base
 from .base import Policy, View, register
+from .card import PolicyCard
 
 __all__ = ["FORMS", "PyramidKV", "kvpress_schedule", "pyramid_schedule"]
 
@@ -130,19 +131,21 @@ class PyramidKV(Policy):
     """
 
     name = "pyramidkv"
-    summary = "PyramidKV: per-layer budgets in an arithmetic pyramid (beta) summing to N x L, over a base score"
-    paper = "Cai et al. 2024, PyramidKV, the layer schedule with beta = 20 (base: snapkv by default)"
-    label = "PyramidKV"
-    citation = "PyramidKV (Cai et al. 2024), meta-policy"
-    score_rule = "a base's scores (SnapKV's by default); per-layer budgets in a pyramid"
-    protects = "the base's"
-    implements = "PyramidKV: the layer schedule (beta), total N x L, over any base; kvpress's PyramidKVPress as form"
-    table_order = 120
+    card = PolicyCard(
+        summary="PyramidKV: per-layer budgets in an arithmetic pyramid (beta) summing to N x L, over a base score",
+        paper="Cai et al. 2024, PyramidKV, the layer schedule with beta = 20 (base: snapkv by default)",
+        label="PyramidKV",
+        citation="PyramidKV (Cai et al. 2024), meta-policy",
+        score_rule="a base's scores (SnapKV's by default); per-layer budgets in a pyramid",
+        protects="the base's",
+        implements="PyramidKV: the layer schedule (beta), total N x L, over any base; kvpress's PyramidKVPress as form",
+        table_order=120,
+        variants=({"base": "snapkv", "base_params": {"window": 4, "kernel": 3}, "beta": 4},
+                  {"base": "tova", "beta": 2},
+                  # kvpress's form pyramids only when N / beta >= w: a window of 1, beta 2
+                  {"base": "snapkv", "base_params": {"window": 1, "kernel": 3}, "form": "kvpress", "beta": 2}),
+    )
     in_experiments = False  # per-layer budgets: the experiments compare policies at one N in every layer
-    variants = ({"base": "snapkv", "base_params": {"window": 4, "kernel": 3}, "beta": 4},
-                {"base": "tova", "beta": 2},
-                # kvpress's form pyramids only when N / beta >= w: a window of 1, beta 2
-                {"base": "snapkv", "base_params": {"window": 1, "kernel": 3}, "form": "kvpress", "beta": 2})
     needs = frozenset({"attention"})
 
     base: Any = "snapkv"

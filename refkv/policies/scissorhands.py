@@ -25,6 +25,7 @@ import numpy as np
 from ..cache import FieldSpec
 from ..model.config import ModelConfig
 from .base import AttentionNeed, Policy, View, check_int, first_tokens, recent_tokens, register
+from .card import PolicyCard
 
 __all__ = ["FIELD", "MAX_HISTORY", "Scissorhands", "importance", "record_steps"]
 
@@ -128,15 +129,17 @@ class Scissorhands(Policy):
     """
 
     name = "scissorhands"
-    summary = "Scissorhands: count of steps with attention >= 1/n over the last m; first g, last r kept"
-    paper = "Liu et al. 2023, Scissorhands; m = 400, g = 4, r = 10"
-    label = "Scissorhands"
-    citation = "Scissorhands (Liu et al. 2023)"
-    score_rule = r"steps with attention :math:`\ge 1/n` over the last :math:`m = 400`"
-    protects = "first 4, last 10"
-    implements = "Scissorhands (Liu et al. 2023): importance counts over a history window"
-    table_order = 50
-    variants = ({"history": 6, "sink": 1, "recent": 2},)
+    card = PolicyCard(
+        summary="Scissorhands: count of steps with attention >= 1/n over the last m; first g, last r kept",
+        paper="Liu et al. 2023, Scissorhands; m = 400, g = 4, r = 10",
+        label="Scissorhands",
+        citation="Scissorhands (Liu et al. 2023)",
+        score_rule=r"steps with attention :math:`\ge 1/n` over the last :math:`m = 400`",
+        protects="first 4, last 10",
+        implements="Scissorhands (Liu et al. 2023): importance counts over a history window",
+        table_order=50,
+        variants=({"history": 6, "sink": 1, "recent": 2},),
+    )
     needs = frozenset({"attention"})
     #: Scores are counts, >= 0 (CAOTE may wrap this policy).
     nonnegative_scores = True

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..model.config import ModelConfig
 from .base import Policy, View, check_int, first_tokens, recent_tokens, register
+from .card import PolicyCard
 
 __all__ = ["Sink"]
 
@@ -30,15 +31,17 @@ class Sink(Policy):
     """
 
     name = "sink"
-    summary = "StreamingLLM: first s tokens (attention sinks) + recent window"
-    paper = "Xiao et al. 2024, StreamingLLM; default s = 4 (KeyDiff App. B.2)"
-    label = "sink (StreamingLLM)"
-    citation = "StreamingLLM (Xiao et al. 2024)"
-    score_rule = "recency"
-    protects = "first :math:`s = 4`, last :math:`N - s`"
-    implements = "StreamingLLM (Xiao et al. 2024): first 4 tokens + recent window"
-    table_order = 10
-    variants = ({"sink": 1},)
+    card = PolicyCard(
+        summary="StreamingLLM: first s tokens (attention sinks) + recent window",
+        paper="Xiao et al. 2024, StreamingLLM; default s = 4 (KeyDiff App. B.2)",
+        label="sink (StreamingLLM)",
+        citation="StreamingLLM (Xiao et al. 2024)",
+        score_rule="recency",
+        protects="first :math:`s = 4`, last :math:`N - s`",
+        implements="StreamingLLM (Xiao et al. 2024): first 4 tokens + recent window",
+        table_order=10,
+        variants=({"sink": 1},),
+    )
     nonnegative_scores = True
     needs = frozenset({"positions"})
 

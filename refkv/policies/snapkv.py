@@ -20,6 +20,7 @@ import numpy as np
 from ..model.config import ModelConfig
 from ..validation import MAX_CONTEXT
 from .base import AttentionNeed, Policy, View, check_int, recent_tokens, register
+from .card import PolicyCard
 
 __all__ = ["POOLINGS", "SnapKV", "pool1d", "window_attention"]
 
@@ -133,15 +134,17 @@ class SnapKV(Policy):
     """
 
     name = "snapkv"
-    summary = "SnapKV: last-w-queries attention, pooled (kernel k); last w tokens protected"
-    paper = "Li et al. 2024, SnapKV; w = 32, k = 7 (KeyDiff App. B.2)"
-    label = "SnapKV"
-    citation = "SnapKV (Li et al. 2024)"
-    score_rule = "attention of the last :math:`w = 32` queries, average-pooled (:math:`k = 7`)"
-    protects = "last :math:`w`"
-    implements = "SnapKV (Li et al. 2024): observation window, pooled (avg or max)"
-    table_order = 40
-    variants = ({"window": 4, "kernel": 3}, {"window": 4, "kernel": 3, "pooling": "max"})
+    card = PolicyCard(
+        summary="SnapKV: last-w-queries attention, pooled (kernel k); last w tokens protected",
+        paper="Li et al. 2024, SnapKV; w = 32, k = 7 (KeyDiff App. B.2)",
+        label="SnapKV",
+        citation="SnapKV (Li et al. 2024)",
+        score_rule="attention of the last :math:`w = 32` queries, average-pooled (:math:`k = 7`)",
+        protects="last :math:`w`",
+        implements="SnapKV (Li et al. 2024): observation window, pooled (avg or max)",
+        table_order=40,
+        variants=({"window": 4, "kernel": 3}, {"window": 4, "kernel": 3, "pooling": "max"}),
+    )
     needs = frozenset({"attention"})
     #: Scores are pooled attention weights, >= 0 (CAOTE may wrap this policy).
     nonnegative_scores = True

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .base import AttentionNeed, Policy, View, register
+from .card import PolicyCard
 
 __all__ = ["TOVA", "last_query_attention"]
 
@@ -70,15 +71,17 @@ class TOVA(Policy):
     """
 
     name = "tova"
-    summary = "TOVA: attention of the block's last query (group mean); nothing protected"
-    paper = "Oren et al. 2024, Transformers are Multi-State RNNs; KeyDiff App. A.1"
-    label = "TOVA"
-    citation = "TOVA (Oren et al. 2024)"
-    score_rule = "attention of the block's last query"
-    protects = "--"
-    implements = "TOVA (Oren et al. 2024): last query's attention (KeyDiff App. A.1)"
-    table_order = 20
-    variants = ({"all_heads": True},)
+    card = PolicyCard(
+        summary="TOVA: attention of the block's last query (group mean); nothing protected",
+        paper="Oren et al. 2024, Transformers are Multi-State RNNs; KeyDiff App. A.1",
+        label="TOVA",
+        citation="TOVA (Oren et al. 2024)",
+        score_rule="attention of the block's last query",
+        protects="--",
+        implements="TOVA (Oren et al. 2024): last query's attention (KeyDiff App. A.1)",
+        table_order=20,
+        variants=({"all_heads": True},),
+    )
     needs = frozenset({"attention"})
     #: Scores are attention weights, >= 0 (CAOTE may wrap this policy).
     nonnegative_scores = True

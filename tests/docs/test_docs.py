@@ -387,6 +387,26 @@ def test_readme_quick_start_commands_use_existing_extras_and_options():
     assert commands[2].endswith("python -m pytest")
 
 
+def test_policy_tables_are_generated_from_the_registry():
+    """README.rst and docs/policies/index.rst hold exactly the tables docs/policy_tables.py writes."""
+    tables = _load_docs_script("policy_tables")
+    stale = tables.update_files(ROOT, write=False)
+    assert stale == [], f"run `python docs/policy_tables.py` to regenerate the tables of {stale}"
+    assert tables.main(["--check"]) == 0
+    # Every registered refkv policy is a row of both, and the docs row states its true signals.
+    readme = (ROOT / "README.rst").read_text(encoding="utf-8")
+    docs = (DOCS / "policies" / "index.rst").read_text(encoding="utf-8")
+    for cls in tables.ordered_classes():
+        assert f"\n{cls.name} " in readme and f"{cls.name}`" in docs, cls.name
+
+
+def test_policy_tables_replace_only_the_table():
+    tables = _load_docs_script("policy_tables")
+    text = f"intro\n\n{tables.DOCS_TABLE_HEAD}\n   :header-rows: 1\n\n   * - old\n     - row\n\nafter\n"
+    new = tables.replace_block(text, "docs", "TABLE\n")
+    assert new == "intro\n\nTABLE\n\nafter\n"
+
+
 def test_policy_table_matches_the_registry():
     """docs/policies/index.rst's table lists every registered policy with its true signals."""
     from refkv import policies

@@ -104,11 +104,11 @@ def check_run(name, model, tokens, budget, block):
 @pytest.mark.parametrize("name", POLICIES)
 def test_listed_by_refkv_policies(name, capsys):
     cls = policy_class(name)
-    assert cls.summary and cls.paper
+    assert cls.card.summary and cls.card.paper
     assert main(["policies"]) == 0
     lines = capsys.readouterr().out.splitlines()
     index = next(i for i, line in enumerate(lines) if line.split() and line.split()[0] == name)
-    assert cls.summary in lines[index] and cls.paper in lines[index + 1]
+    assert cls.card.summary in lines[index] and cls.card.paper in lines[index + 1]
 
 
 @pytest.mark.parametrize("block", [1, 3, None])
@@ -197,31 +197,6 @@ def test_runs_on_the_real_model(name, smollm2):
     tokens = np.random.default_rng(4).integers(0, smollm2.config.vocab_size, budget + 8)
     engine = check_run(name, smollm2, tokens, budget, 8)
     assert engine.stats.evictions > 0
-
-
-# -- the generated tables ---------------------------------------------------------------------
-def test_policy_tables_are_generated_from_the_registry():
-    """README.rst and docs/policies/index.rst hold exactly the tables refkv.policies.catalog writes."""
-    import pathlib
-
-    from refkv.policies import catalog
-
-    root = pathlib.Path(__file__).resolve().parents[2]
-    stale = catalog.update_files(root, write=False)
-    assert stale == [], f"run `python -m refkv.policies.catalog` to regenerate the tables of {stale}"
-    # Every registered refkv policy is a row of both, and the docs row states its true signals.
-    readme = (root / "README.rst").read_text(encoding="utf-8")
-    docs = (root / "docs" / "policies" / "index.rst").read_text(encoding="utf-8")
-    for cls in catalog.ordered_classes():
-        assert f"\n{cls.name} " in readme and f"{cls.name}`" in docs, cls.name
-
-
-def test_replace_block_rewrites_only_the_table():
-    from refkv.policies import catalog
-
-    text = f"intro\n\n{catalog.DOCS_TABLE_HEAD}\n   :header-rows: 1\n\n   * - old\n     - row\n\nafter\n"
-    new = catalog.replace_block(text, "docs", "TABLE\n")
-    assert new == "intro\n\nTABLE\n\nafter\n"
 
 
 # -- the protocol -------------------------------------------------------------------------------

@@ -1,10 +1,16 @@
-"""The policy tables of the documentation, generated from the registry.
+"""The policy tables of the README and of the policies page, generated from the registry.
 
-The README's table and the one of ``docs/policies/index.rst`` are written from each policy
-class's ``citation``, ``score_rule``, ``protects``, ``implements``, ``needs`` and
-``evict_before_attention``, in ``table_order``: a new policy appears in both by itself.
-``python -m refkv.policies.catalog`` rewrites them in place (atomically);
-``tests/policies/test_policies_common.py`` fails while the files and the registry disagree.
+Run after adding or changing a policy (or its card)::
+
+    python docs/policy_tables.py            # rewrite the tables that differ, atomically
+    python docs/policy_tables.py --check    # only report them; exit status 1 if any
+
+The README's table (under "What is implemented, against the papers") and the list-table of
+``docs/policies/index.rst`` are written from each registered policy's
+:class:`refkv.policies.PolicyCard` (``citation``, ``score_rule``, ``protects``,
+``implements``, in ``table_order``) and its protocol (``needs``, ``evicts``,
+``evict_before_attention``): a new policy appears in both by itself. The rest of either
+file is left as it is. ``tests/docs/test_docs.py`` fails while the files and the registry disagree.
 """
 
 from __future__ import annotations
@@ -13,10 +19,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-from ..files import atomic_write
-from .base import Policy, available, policy_class
+from refkv.files import atomic_write
+from refkv.policies import Policy, available, policy_class
 
-__all__ = ["docs_table", "ordered_classes", "readme_table", "replace_block", "update_files"]
+ROOT = Path(__file__).resolve().parent.parent
 
 #: The first line of the docs table's directive; the block it opens is the table.
 DOCS_TABLE_HEAD = ".. list-table:: Policies at a glance (scores: higher = keep)"
@@ -25,10 +31,10 @@ README_HEADING = "What is implemented, against the papers"
 
 
 def ordered_classes() -> list[type[Policy]]:
-    """Registered policy classes whose code is in refkv, in ``table_order`` (then name)."""
+    """Registered policy classes whose code is in refkv, in their card's ``table_order`` (then name)."""
     classes = [policy_class(name) for name in available()]
     ours = [cls for cls in classes if cls.__module__.startswith("refkv.")]
-    return sorted(ours, key=lambda cls: (cls.table_order, cls.name))
+    return sorted(ours, key=lambda cls: (cls.card.table_order, cls.name))
 
 
 def _evicts(cls: type[Policy]) -> str:
@@ -45,7 +51,8 @@ def docs_table(pages: Path) -> str:
     rows = [header]
     for cls in ordered_classes():
         link = f":doc:`{cls.name}`" if (pages / f"{cls.name}.rst").exists() else f"``{cls.name}``"
-        rows.append([link, cls.citation or cls.paper, cls.score_rule or "--", cls.protects,
+        card = cls.card
+        rows.append([link, card.citation or card.paper, card.score_rule or "--", card.protects,
                      "yes" if "attention" in cls.needs else "no", _evicts(cls)])
     for row in rows:
         lines.append(f"   * - {row[0]}")
@@ -56,7 +63,7 @@ def docs_table(pages: Path) -> str:
 def readme_table() -> str:
     """The README's simple table: policy, what is implemented, module."""
     width = 45
-    rows = [(cls.name, textwrap.wrap(cls.implements or cls.summary, width),
+    rows = [(cls.name, textwrap.wrap(cls.card.implements or cls.card.summary, width),
              f"``{cls.__module__.replace('.', '/')}.py``") for cls in ordered_classes()]
     w0 = max(len("policy"), *(len(r[0]) for r in rows)) + 2
     w2 = max(len("module"), *(len(r[2]) for r in rows))
@@ -96,11 +103,7 @@ def replace_block(text: str, which: str, table: str) -> str:
     return text[:start] + table + text[pos:]
 
 
-def _write(path: Path, text: str) -> None:
-    atomic_write(path, text)
-
-
-def update_files(root: Path, *, write: bool = True) -> list[Path]:
+def update_files(root: Path = ROOT, *, write: bool = True) -> list[Path]:
     """Rewrite the two tables under the repository ``root``; the files that were (or would be) changed."""
     changed = []
     pages = root / "docs" / "policies"
@@ -111,11 +114,22 @@ def update_files(root: Path, *, write: bool = True) -> list[Path]:
         if new != old:
             changed.append(path)
             if write:
-                _write(path, new)
+                atomic_write(path, new)
     return changed
 
 
-if __name__ == "__main__":  # python -m refkv.policies.catalog [ROOT]
-    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path.cwd()
-    for path in update_files(root):
-        print(f"rewrote the policy table of {path}")
+def main(argv: list[str]) -> int:
+    check = "--check" in argv
+    changed = update_files(write=not check)
+    for path in changed:
+        print(f"{'stale' if check else 'rewrote'}: the policy table of {path.relative_to(ROOT)}")
+    if check and changed:
+        print("run `python docs/policy_tables.py` to regenerate them")
+        return 1
+    if not changed:
+        print("the policy tables match the registry")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
