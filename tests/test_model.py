@@ -261,6 +261,22 @@ def test_to_dict_leaves_out_unused_variants_and_round_trips():
     assert FAMILIES["qwen3"].tiny.features == ("qk_norm",)
 
 
+def test_family_table_lookups():
+    """A reader takes the first entry with a file's name: Llama 3 checkpoints and Mistral GGUF
+    files are Llama files; each family's tiny model switches on what its entry reads."""
+    from refkv.model.families import FAMILIES, by_gguf_architecture, by_model_type, hf_architectures
+
+    assert by_model_type("llama") is FAMILIES["llama"] and by_model_type("mistral") is FAMILIES["mistral"]
+    assert by_model_type(None, ["Foo", "Qwen3ForCausalLM"]) is FAMILIES["qwen3"]
+    assert by_model_type("gpt2", ["LlamaForCausalLM"]) is None  # a model_type given is what counts
+    assert by_model_type(["llama"]) is None and by_gguf_architecture(None) is None
+    assert by_gguf_architecture("llama") is FAMILIES["llama"] and by_gguf_architecture("mistral") is None
+    assert hf_architectures() == ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+    for family in FAMILIES.values():
+        flags = family.attention_flags(family.tiny.attention_bias)
+        assert all(getattr(family.tiny, key) == value for key, value in flags.items()), family.name
+
+
 def test_optional_weights_must_match_the_config():
     cfg = TINY.replace(n_layers=1, attention_bias=True)
     w = random_weights(cfg, seed=0)

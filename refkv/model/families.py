@@ -156,8 +156,9 @@ def _first(key: str) -> dict[str, Family]:
     return table
 
 
-_BY_MODEL_TYPE, _BY_HF_ARCHITECTURE, _BY_GGUF = _first("model_type"), _first("hf_architecture"), \
-    _first("gguf_architecture")
+_BY_MODEL_TYPE = _first("model_type")
+_BY_HF_ARCHITECTURE = _first("hf_architecture")
+_BY_GGUF = _first("gguf_architecture")
 
 
 def hf_architectures() -> tuple[str, ...]:
