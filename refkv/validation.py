@@ -9,10 +9,12 @@ The CLI turns that ValueError into ``error: ...`` and exit status 2.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
-__all__ = ["MAX_CONTEXT", "check_choice", "check_context", "check_float", "check_int", "check_size", "shown"]
+__all__ = ["MAX_CONTEXT", "check_choice", "check_context", "check_float", "check_int", "check_prompt", "check_size",
+           "shown"]
 
 
 #: The longest context, in tokens, any parameter counted in tokens may span (a window, a
@@ -126,3 +128,25 @@ def check_context(n_tokens: int, max_positions: int, what: str = "prompt") -> in
         raise ValueError(f"{what} has {n_tokens} tokens, more than the model's context of {max_positions} "
                          f"(max_positions); shorten it")
     return n_tokens
+
+
+def check_prompt(prompt) -> str:
+    """Return ``prompt`` if it is text that came from valid UTF-8; a ValueError otherwise.
+
+    Python hands over undecodable bytes of ``argv`` (and of stdin read with
+    ``surrogateescape``) as lone surrogates ``U+DC80..U+DCFF``; the message shows the byte
+    and its offset in the prompt as the user gave it (before any chat template wraps it).
+    """
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+    match = _SURROGATE.search(prompt)
+    if match is None:
+        return prompt
+    code = ord(match.group())
+    offset = len(prompt[:match.start()].encode("utf-8"))  # the first bad character: the prefix is clean
+    if 0xDC80 <= code <= 0xDCFF:
+        raise ValueError(f"prompt is not valid UTF-8: byte 0x{code - 0xDC00:02x} at byte {offset} of the prompt")
+    raise ValueError(f"prompt is not valid Unicode: lone surrogate U+{code:04X} at byte {offset} of the prompt")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")

@@ -4,7 +4,7 @@ from . import families
 from .config import TINY, ModelConfig
 from .decoder import Model
 from .gguf import GGUFError, ModelNotFoundError, read_gguf
-from .loading import builtin_model, load, load_with_tokenizer, model_path
+from .loading import builtin_model, load, load_with_tokenizer, model_path, peek_config
 from .sample_text import english_prose
 from .tokenizer import ByteTokenizer, Tokenizer
 from .weights import LayerWeights, ModelWeights, random_weights
@@ -25,6 +25,7 @@ __all__ = [
            "load",
            "load_with_tokenizer",
            "model_path",
+           "peek_config",
            "random_weights",
            "read_gguf",
 ]

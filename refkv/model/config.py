@@ -82,9 +82,11 @@ class ModelConfig:
 
     Notes
     -----
-    ``d_head`` need not equal ``d_model / n_heads`` (Hugging Face ``head_dim``; Qwen3-0.6B has
-    ``d_model`` 1024, 16 heads of 128), and ``tie_embeddings`` follows ``tie_word_embeddings``
-    (false for Llama 3.1-8B and Qwen2.5-7B: an untied LM head).
+    Which families switch on which variant, and from which key of their files, is one
+    table: :data:`refkv.model.families.FAMILIES`. ``d_head`` need not equal ``d_model / n_heads``
+    (Hugging Face ``head_dim``; Qwen3-0.6B has ``d_model`` 1024, 16 heads of 128), and
+    ``tie_embeddings`` follows ``tie_word_embeddings`` (false for Llama 3.1-8B and
+    Qwen2.5-7B: an untied LM head).
     """
 
     vocab_size: int

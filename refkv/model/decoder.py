@@ -1,8 +1,10 @@
 """A Llama-family decoder in NumPy, split into the pieces the cached engine reuses.
 
-The same code runs Llama 2, Llama 3 (RoPE scaling), Qwen2/2.5 (q/k/v biases) and Qwen3
-(per-head q/k RMSNorm): each variant is a config flag and a few lines in :meth:`Model.qkv`,
-:meth:`Model.attn_out` or :mod:`refkv.model.layers`.
+The same code runs every family of :mod:`refkv.model.families` (Llama 2, Llama 3 with RoPE
+scaling, Qwen2/2.5 with q/k/v biases, Qwen3 with per-head q/k RMSNorm, Mistral): it reads
+only config flags, which each family's table entry sets, never a family's name. Each
+variant is one flag and a few lines in :meth:`Model.qkv`, :meth:`Model.attn_out` or
+:mod:`refkv.model.layers`.
 
 :meth:`Model.forward_full` runs the whole sequence with plain causal attention and no
 cache. It is deliberately written independently of :mod:`refkv.attention` and
@@ -96,10 +98,10 @@ class Model:
         cos, sin = rope
         packed = self.packed[layer]
         q, k, v = np.split(h @ packed.qkv, packed.qkv_splits, axis=1)  # one GEMM: h @ [wq | wk | wv]
-        if cfg.attention_bias:  # Qwen2/2.5 (Llama, Qwen3 with attention_bias): right after the projections
+        if cfg.attention_bias:  # e.g. Qwen2/2.5 (families.Family.qkv_bias): right after the projections
             q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
         q, k, v = _split_heads(q, cfg.n_heads), _split_heads(k, cfg.n_kv_heads), _split_heads(v, cfg.n_kv_heads)
-        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's d values of q and k, right before RoPE
+        if cfg.qk_norm:  # e.g. Qwen3: RMSNorm over each head's d values of q and k, right before RoPE
             q, k = rms_norm(q, lw.q_norm, cfg.norm_eps), rms_norm(k, lw.k_norm, cfg.norm_eps)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v  # (H, T, d), (Hkv, T, d), (Hkv, T, d)
 
@@ -108,7 +110,7 @@ class Model:
         heads, t, d = o.shape
         lw = self.weights.layers[layer]
         out = o.transpose(1, 0, 2).reshape(t, heads * d) @ lw.wo
-        if self.config.output_bias:  # Llama / Qwen3 with attention_bias (never Qwen2)
+        if self.config.output_bias:  # e.g. Llama / Qwen3 with attention_bias (families.Family.output_bias)
             out = out + lw.bo
         return out
 

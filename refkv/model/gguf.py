@@ -19,7 +19,8 @@ head for ``attn_q``, per KV head for ``attn_k``), so the loaded weights are exac
 Hugging Face ones and ``q . k`` is unchanged: both routes rotate the same pairs by the
 same angles. For ``qwen2`` and ``qwen3`` llama.cpp uses "NEOX" RoPE, which is rotate
 half, and the converter (``Qwen2Model``, ``Qwen3Model(Qwen2Model)``) writes the rows
-unchanged: nothing is un-permuted (:data:`PERMUTED_ARCHITECTURES`). Tests prove the
+unchanged: nothing is un-permuted (:attr:`Family.gguf_rope_interleaved
+<refkv.model.families.Family.gguf_rope_interleaved>` of the file's family). Tests prove the
 llama rule three ways: on a synthetic tensor, by the equality of interleaved RoPE on the
 GGUF rows and rotate-half RoPE on the un-permuted rows, and on the real model.
 
@@ -28,8 +29,11 @@ which is PyTorch's ``(out_features, in_features)``; refkv stores ``(in, out)``, 
 projection is transposed after dequantization. The embedding ``token_embd`` is
 ``(vocab, d_model)`` as stored. A missing ``output.weight`` means tied embeddings.
 
-**Architecture variants.** ``blk.N.attn_{q,k,v}.bias`` (qwen2 always; llama optional)
-switch on ``attention_bias``, ``blk.N.attn_output.bias`` ``output_bias``, and
+**Architecture variants.** The file's ``general.architecture`` picks its entry in the
+family table (:mod:`refkv.model.families`; Mistral files say ``llama`` and are read as
+such, as llama.cpp runs them, without a sliding window). ``blk.N.attn_{q,k,v}.bias``
+(qwen2 always; llama optional) switch on ``attention_bias``, ``blk.N.attn_output.bias``
+``output_bias``, and
 ``blk.N.attn_{q,k}_norm.weight`` (qwen3) ``qk_norm``. Llama 3 RoPE scaling arrives as
 the ``rope_freqs.weight`` tensor (llama.cpp's converter computes one divisor per
 frequency from the Hugging Face ``rope_scaling``), read into
@@ -67,11 +71,10 @@ import numpy as np
 
 from ..validation import check_float
 from .config import ModelConfig
+from .families import by_gguf_architecture, gguf_architectures
 from .weights import FLOAT_DTYPES, LayerWeights, ModelWeights
 
 __all__ = [
-    "ARCHITECTURES",
-    "PERMUTED_ARCHITECTURES",
     "SUPPORTED_TYPES",
     "GGUFError",
     "GGUFModel",
@@ -84,11 +87,6 @@ __all__ = [
 #: Names of the GGML tensor types refkv dequantizes (``gguf.GGMLQuantizationType`` names).
 SUPPORTED_TYPES = frozenset({"F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                              "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
-
-#: ``general.architecture`` values refkv reads.
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
-#: Architectures whose q/k rows llama.cpp's converter reorders for interleaved RoPE.
-PERMUTED_ARCHITECTURES = frozenset({"llama"})
 
 MODELS_EXTRA = "pip install gguf tokenizers  (the 'models' extra: pip install -e '.[models]' in a checkout)"
 
@@ -224,8 +222,8 @@ def read_gguf(path, dtype=np.float32, *, weights: bool = True) -> GGUFModel:
     except UnicodeDecodeError as err:  # a metadata string (a key's value, a token) of bytes that are not text
         raise GGUFError(f"{path}: a metadata string is not UTF-8 ({err}); the file is corrupt") from None
     _check_tensors(tensors, config, path)
-    arch = metadata["general.architecture"]
-    model_weights = _weights(tensors, config, dtype, arch in PERMUTED_ARCHITECTURES, path) if weights else None
+    family = by_gguf_architecture(metadata["general.architecture"])  # known: _config read the file by it
+    model_weights = _weights(tensors, config, dtype, family.gguf_rope_interleaved, path) if weights else None
     return GGUFModel(path=path, config=config, weights=model_weights, vocab=vocab, metadata=metadata)
 
 
@@ -309,9 +307,10 @@ def _config(reader, tensors: dict, path: Path) -> ModelConfig:
         return _field_value(fields[key])
 
     arch = get("general.architecture")
-    if arch not in ARCHITECTURES:
+    family = by_gguf_architecture(arch)
+    if family is None:
         raise GGUFError(f"{path}: architecture {arch!r} is not supported; refkv reads "
-                        f"{', '.join(repr(a) for a in ARCHITECTURES)} GGUF files")
+                        f"{', '.join(repr(a) for a in gguf_architectures())} GGUF files")
 
     def count(key, default=None, low=1):
         """An integer field, checked before anything is sized by it."""
@@ -389,8 +388,9 @@ def _config(reader, tensors: dict, path: Path) -> ModelConfig:
             rope_base=number("rope.freq_base", 10000.0, 1.0),
             norm_eps=number("attention.layer_norm_rms_epsilon", None, 0.0, 1.0),
             tie_embeddings="output.weight" not in tensors, max_positions=count("context_length"),
-            name=path.name.removesuffix(".gguf"), attention_bias=bias or arch == "qwen2",
-            output_bias="blk.0.attn_output.bias" in tensors, qk_norm=arch == "qwen3", **rope)
+            name=path.name.removesuffix(".gguf"),
+            # the family's rules (Qwen2: biases always; Qwen3: q/k norms), but the output bias as the file has it
+            **{**family.attention_flags(bias), "output_bias": "blk.0.attn_output.bias" in tensors}, **rope)
     except ValueError as err:
         raise GGUFError(f"{path}: metadata describes an invalid model: {err}") from err
 

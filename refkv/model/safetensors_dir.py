@@ -1,8 +1,8 @@
 """Read a Hugging Face checkpoint directory: ``config.json`` + ``*.safetensors``.
 
 For users who have an unquantized checkpoint (e.g. ``HuggingFaceTB/SmolLM2-135M-Instruct``,
-``meta-llama/Llama-3.2-1B``, ``Qwen/Qwen2.5-0.5B``, ``Qwen/Qwen3-0.6B`` downloaded by other
-means); refkv never downloads anything.
+``meta-llama/Llama-3.2-1B``, ``Qwen/Qwen2.5-0.5B``, ``Qwen/Qwen3-0.6B``,
+``mistralai/Mistral-7B-Instruct-v0.3`` downloaded by other means); refkv never downloads anything.
 
 Notes
 -----
@@ -17,15 +17,18 @@ exactly to the requested float32/float64. A tensor stored in two shards is an er
 already in the "rotate half" RoPE order refkv uses, so projections are only
 transposed (no un-permutation, unlike GGUF).
 
-**Accepted configs** (:data:`ARCHITECTURES`): ``LlamaForCausalLM`` (``model_type`` ``"llama"``),
-``Qwen2ForCausalLM`` (``"qwen2"``) and ``Qwen3ForCausalLM`` (``"qwen3"``), ``hidden_act``
-``"silu"``. RoPE comes from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
-``rope_scaling`` (version 4): ``rope_type`` ``"default"``, ``"linear"`` or ``"llama3"``.
-Attention biases follow transformers: Qwen2 always has q/k/v biases and no output
-bias; Llama and Qwen3 have q/k/v and output biases when ``attention_bias`` is true.
-Qwen3's ``q_norm``/``k_norm`` are read. Refused, each by name with its config key:
-sliding-window attention (``use_sliding_window``, ``layer_types``), mixture of experts
-(``num_experts``, ``num_local_experts``, the ``*_moe`` model types), MLP biases
+**Accepted configs**: the families of :data:`refkv.model.families.FAMILIES`, found by
+``model_type`` (or, without one, by ``architectures``): ``LlamaForCausalLM`` (``"llama"``),
+``Qwen2ForCausalLM`` (``"qwen2"``), ``Qwen3ForCausalLM`` (``"qwen3"``) and
+``MistralForCausalLM`` (``"mistral"``), ``hidden_act`` ``"silu"``. RoPE comes from
+``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (version 4):
+``rope_type`` ``"default"``, ``"linear"`` or ``"llama3"``. Attention biases, q/k norms and
+the default ``head_dim`` are the family entry's (:meth:`~refkv.model.families.Family.attention_flags`):
+Qwen2 always has q/k/v biases and no output bias; Llama and Qwen3 have q/k/v and output
+biases when ``attention_bias`` is true; Mistral never has any. Refused, each by name with
+its config key: sliding-window attention (``use_sliding_window`` and ``layer_types`` of
+Qwen, a Mistral ``sliding_window`` narrower than ``max_position_embeddings``), mixture of
+experts (``num_experts``, ``num_local_experts``, the ``*_moe`` model types), MLP biases
 (``mlp_bias``), partial rotary embeddings (``partial_rotary_factor``) and every other
 RoPE type (``dynamic``: its frequencies depend on the length seen so far; ``yarn``,
 ``longrope``, ...).
@@ -49,17 +52,15 @@ import numpy as np
 from ..files import load_json, parse_json
 from ..validation import check_float, check_int, shown
 from .config import ModelConfig
+from .families import Family, by_model_type, hf_architectures
 from .gguf import GGUFVocab, ModelNotFoundError
 from .weights import LayerWeights, ModelWeights
 
-__all__ = ["ARCHITECTURES", "CheckpointError", "read_checkpoint", "read_safetensors", "tokenizer_of",
+__all__ = ["CheckpointError", "read_checkpoint", "read_safetensors", "tokenizer_of",
            "vocab_from_tokenizer_json"]
 
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "BF16": np.dtype("<u2")}
 _MAX_HEADER = 100 * 2**20
-
-#: Hugging Face architecture -> ``model_type`` of the checkpoint families refkv reads.
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 
 class CheckpointError(ValueError):
@@ -181,7 +182,8 @@ class _Fields:
         return value
 
 
-def _family(f: _Fields) -> str:
+def _family(f: _Fields) -> Family:
+    """The config's entry in the family table (:mod:`refkv.model.families`), or a CheckpointError."""
     cfg = f.cfg
     arch, archs = cfg.get("model_type"), cfg.get("architectures") or []
     if not isinstance(archs, list):
@@ -190,14 +192,31 @@ def _family(f: _Fields) -> str:
     if moe or (isinstance(arch, str) and "moe" in arch.lower()):
         key = moe[0] if moe else "model_type"
         raise f.error(f"mixture-of-experts models are not supported (config key {key!r} = {cfg.get(key)!r}); "
-                      f"refkv reads dense {', '.join(ARCHITECTURES)} checkpoints")
-    if arch not in ARCHITECTURES.values():
-        known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
-        if arch is not None or not known:
-            raise f.error(f"model_type {arch!r} (architectures {archs}) is not supported; refkv reads "
-                          f"{', '.join(ARCHITECTURES)} checkpoints")
-        arch = known[0]
-    return arch
+                      f"refkv reads dense {', '.join(hf_architectures())} checkpoints")
+    family = by_model_type(arch, archs)
+    if family is None:
+        raise f.error(f"model_type {arch!r} (architectures {archs}) is not supported; refkv reads "
+                      f"{', '.join(hf_architectures())} checkpoints")
+    return family
+
+
+def _check_full_attention(f: _Fields, family: Family) -> None:
+    """Refuse sliding-window attention, asked for the way ``family``'s config asks for it."""
+    cfg = f.cfg
+    if family.sliding_window == "use_sliding_window":  # Qwen2/3: a flag, or per-layer types
+        if f.flag("use_sliding_window"):
+            raise f.error("sliding-window attention (use_sliding_window = true) is not supported")
+        types = cfg.get("layer_types") or []
+        if not isinstance(types, list) or any(t != "full_attention" for t in types):
+            raise f.error(f"layer_types {types!r}: only 'full_attention' layers are supported "
+                          f"(sliding-window attention is not)")
+    elif family.sliding_window == "sliding_window" and cfg.get("sliding_window") is not None:
+        # Mistral: a window as wide as the context is full attention, so only a narrower one is refused
+        window, max_positions = f.integer("sliding_window"), f.integer("max_position_embeddings", 2048)
+        if window < max_positions:
+            raise f.error(f"sliding-window attention (sliding_window = {window} < max_position_embeddings = "
+                          f"{max_positions}) is not supported: refkv attends to every cached token; a "
+                          f"sliding_window of null or >= max_position_embeddings is full attention")
 
 
 def _rope(f: _Fields) -> dict:
@@ -250,23 +269,18 @@ def _config(path: Path) -> ModelConfig:
         raise f.error(f"hidden_act {cfg.get('hidden_act')!r} is not supported; only SiLU (SwiGLU) MLPs")
     if f.flag("mlp_bias"):
         raise f.error("MLP biases (mlp_bias = true) are not supported")
-    if family != "llama":  # Llama has no sliding window; Qwen2/3 have one behind these keys
-        if f.flag("use_sliding_window"):
-            raise f.error("sliding-window attention (use_sliding_window = true) is not supported")
-        types = cfg.get("layer_types") or []
-        if not isinstance(types, list) or any(t != "full_attention" for t in types):
-            raise f.error(f"layer_types {types!r}: only 'full_attention' layers are supported "
-                          f"(sliding-window attention is not)")
+    _check_full_attention(f, family)
     d_model, heads = f.integer("hidden_size"), f.integer("num_attention_heads")
     head_dim = cfg.get("head_dim")
-    if head_dim is None and family == "qwen3":
-        head_dim = 128  # Qwen3Config's default
+    if head_dim is None and family.default_head_dim is not None:
+        head_dim = family.default_head_dim
     elif head_dim is None:
         if d_model % heads:
             raise f.error(f"hidden_size {d_model} is not a multiple of num_attention_heads {heads} and "
                           f"head_dim is not given")
         head_dim = d_model // heads
-    bias = family == "qwen2" or f.flag("attention_bias")
+    # attention_bias is read only where it counts: Qwen2 has biases and Mistral none whatever it says
+    flags = family.attention_flags(family.qkv_bias == "config" and f.flag("attention_bias"))
     try:
         return ModelConfig(
             vocab_size=f.integer("vocab_size"), d_model=d_model, n_layers=f.integer("num_hidden_layers"),
@@ -275,12 +289,11 @@ def _config(path: Path) -> ModelConfig:
             norm_eps=f.number("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6), 0.0, 1.0, low_open=True,
                               high_open=True),
             tie_embeddings=f.flag("tie_word_embeddings"),
-            max_positions=f.integer("max_position_embeddings", 2048), name=path.name,
-            attention_bias=bias, output_bias=bias and family != "qwen2", qk_norm=family == "qwen3", **_rope(f))
+            max_positions=f.integer("max_position_embeddings", 2048), name=path.name, **flags, **_rope(f))
     except CheckpointError:
         raise
     except ValueError as err:
-        raise f.error(f"not a usable {family} config: {err}") from err
+        raise f.error(f"not a usable {family.model_type} config: {err}") from err
 
 
 def read_checkpoint(path, dtype=np.float32, *, tokenizer: bool = True):

@@ -231,7 +231,8 @@ class Policy:
 
     Methods
     -------
-    check(budget, config), max_block(budget, config), attention_need(), fields(config),
+    check(budget, config), max_block(budget, config), block_over_limit(budget, block, config),
+    attention_need(), fields(config),
     observe(view), score(view), protected(view), keep_indices(view),
     layer_budget(budget, layer, n_layers), head_budgets(view), params(), describe()
         See each method; only ``score`` has no default.
@@ -258,6 +259,16 @@ class Policy:
         changes any state (a block that fits in the budget as it is never needs it).
         """
         return budget if self.evict_before_attention else None
+
+    def block_over_limit(self, budget: int, block: int, config: ModelConfig) -> int | None:
+        """:meth:`max_block` if a block of ``block`` tokens is larger, else None.
+
+        The block rule stated once: the engine (before a block that triggers an eviction
+        changes any state) and the ``refkv`` command (before a model is loaded) both ask
+        this, each wording its own message. Policies answer :meth:`max_block`, not this.
+        """
+        limit = self.max_block(budget, config)
+        return limit if limit is not None and block > limit else None
 
     def attention_need(self) -> AttentionNeed:
         """Which of the block's attention weights this policy reads (only asked if

@@ -134,6 +134,9 @@ def test_tokenizer_json_is_read(tmp_path, weights):
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "RoPE type 'longrope'"),
     ({"model_type": "qwen2", "use_sliding_window": True}, r"sliding-window attention \(use_sliding_window"),
     ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"model_type": "mistral", "sliding_window": 256},
+     r"sliding-window attention \(sliding_window = 256 < max_position_embeddings = 512\) is not supported"),
+    ({"model_type": "mistral", "sliding_window": "wide"}, "sliding_window must be an integer"),
     ({"model_type": "qwen2_moe"}, "mixture-of-experts.*'model_type'"),
     ({"model_type": "llama", "num_local_experts": 8}, "mixture-of-experts.*'num_local_experts'"),
     ({"mlp_bias": True}, r"MLP biases \(mlp_bias"),
@@ -144,6 +147,25 @@ def test_tokenizer_json_is_read(tmp_path, weights):
 def test_bad_configs(tmp_path, weights, change, message):
     write_checkpoint(tmp_path / "ckpt", weights, **change)
     with pytest.raises(CheckpointError, match=message):
+        load(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("window", [None, SMALL.max_positions, 4 * SMALL.max_positions])
+def test_mistral_is_llama_when_its_window_covers_the_context(tmp_path, weights, window):
+    """A Mistral checkpoint whose sliding window spans the whole context is full attention: the
+    Llama model, whatever ``attention_bias`` says (MistralAttention has no biases)."""
+    write_checkpoint(tmp_path / "mistral", weights, model_type="mistral", architectures=["MistralForCausalLM"],
+                     sliding_window=window, attention_bias=True)
+    write_checkpoint(tmp_path / "llama", weights)
+    mistral, llama = load(tmp_path / "mistral"), load(tmp_path / "llama")
+    assert mistral.config == llama.config.replace(name="mistral")
+    assert_same_weights(mistral.weights, llama.weights)
+
+
+def test_a_config_without_model_type_is_known_by_its_architecture(tmp_path, weights):
+    write_checkpoint(tmp_path / "ckpt", weights, model_type=None, architectures=["MistralForCausalLM"],
+                     sliding_window=64)
+    with pytest.raises(CheckpointError, match="sliding_window = 64 < max_position_embeddings = 512"):
         load(tmp_path / "ckpt")
 
 

@@ -1,8 +1,9 @@
 """Each architecture family against transformers' own implementation, through a saved checkpoint.
 
 Per family (:data:`refkv.model.families.FAMILIES`, plus Llama with ``attention_bias`` for
-the output bias and Llama with ``linear`` RoPE scaling) a transformers model is built from a
-config with the family's features switched on, every parameter is set to seeded random
+the output bias and Llama with ``linear`` RoPE scaling) a transformers model of the family's
+own class (its entry's ``hf_architecture``) is built from a config with the family's
+features switched on, every parameter is set to seeded random
 values (biases and norm gains included: transformers initialises biases to 0 and gains to 1,
 which would hide a bug that ignores them), saved with ``save_pretrained`` in float64 and
 read back by refkv's loader. Nothing in transformers is patched.
@@ -39,17 +40,30 @@ from refkv.model.layers import rope_frequencies  # noqa: E402
 
 torch.set_num_threads(1)
 
-#: The families, Llama with attention_bias (q/k/v and output biases, as LlamaAttention has
-#: them) and Llama with linear RoPE scaling.
-CASES = {**FAMILIES,
-         "llama-bias": FAMILIES["llama"].replace(attention_bias=True, output_bias=True, name="tiny-llama-bias"),
-         "llama-linear": FAMILIES["llama"].replace(rope_type="linear", rope_factor=4.0, name="tiny-llama-linear")}
+#: The families' tiny models, Llama with attention_bias (q/k/v and output biases, as
+#: LlamaAttention has them) and Llama with linear RoPE scaling. A case's family is the name
+#: before its first "-"; its seed is its place here, and families added later come last, so
+#: the earlier cases keep their weights (and the numbers docs/guide/real-model.rst shows).
+LLAMA = FAMILIES["llama"].tiny
+FIRST = ("llama", "llama3", "qwen2", "qwen3")
+CASES = {**{name: FAMILIES[name].tiny for name in FIRST},
+         "llama-bias": LLAMA.replace(attention_bias=True, output_bias=True, name="tiny-llama-bias"),
+         "llama-linear": LLAMA.replace(rope_type="linear", rope_factor=4.0, name="tiny-llama-linear"),
+         **{name: family.tiny for name, family in FAMILIES.items() if name not in FIRST}}
 PROMPT = 48  # longer than llama3's original context (32): every RoPE band is crossed
 TOLERANCE = 1e-5
 
 
-def hf_config(cfg):
-    """A transformers config (and model class) with refkv config ``cfg``'s architecture."""
+#: What each ``model_type``'s transformers config needs beyond the common fields: every
+#: sliding window off, the bias switch where the family reads one.
+HF_EXTRA = {"llama": lambda cfg: dict(attention_bias=cfg.attention_bias, mlp_bias=False),
+            "qwen2": lambda cfg: dict(use_sliding_window=False),
+            "qwen3": lambda cfg: dict(attention_bias=cfg.attention_bias, use_sliding_window=False),
+            "mistral": lambda cfg: dict(sliding_window=None)}
+
+
+def hf_config(cfg, family="llama"):
+    """A transformers config (and model class) of ``family`` (a name in FAMILIES) with refkv config ``cfg``."""
     rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_base}
     if cfg.rope_type == "linear":
         rope["factor"] = cfg.rope_factor
@@ -62,13 +76,13 @@ def hf_config(cfg):
                   num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.d_head, hidden_act="silu",
                   max_position_embeddings=cfg.max_positions, rms_norm_eps=cfg.norm_eps,
                   tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope)
-    if cfg.qk_norm:
-        return transformers.Qwen3Config(**common, attention_bias=cfg.attention_bias, use_sliding_window=False), \
-            transformers.Qwen3ForCausalLM
-    if cfg.attention_bias and not cfg.output_bias:
-        return transformers.Qwen2Config(**common, use_sliding_window=False), transformers.Qwen2ForCausalLM
-    return transformers.LlamaConfig(**common, attention_bias=cfg.attention_bias, mlp_bias=False), \
-        transformers.LlamaForCausalLM
+    entry = FAMILIES[family]
+    config = transformers.AutoConfig.for_model(entry.model_type, **common, **HF_EXTRA[entry.model_type](cfg))
+    return config, getattr(transformers, entry.hf_architecture)
+
+
+def family_of(case: str) -> str:
+    return case.split("-")[0]
 
 
 def randomise(hf, seed: int) -> None:
@@ -91,10 +105,10 @@ def randomise(hf, seed: int) -> None:
 def pair(request, tmp_path_factory):
     """(case name, transformers model in float64, refkv model read from its saved checkpoint, config.json)."""
     name = request.param
-    config, cls = hf_config(CASES[name])
+    config, cls = hf_config(CASES[name], family_of(name))
     config._attn_implementation = "eager"
     hf = cls(config).to(torch.float64).eval()
-    randomise(hf, seed=list(CASES).index(name))  # stable as cases are added
+    randomise(hf, seed=list(CASES).index(name))  # one seed per case
     folder = tmp_path_factory.mktemp(name) / "checkpoint"
     hf.save_pretrained(folder)
     return name, hf, load(folder, dtype=np.float64), json.loads((folder / "config.json").read_text())
@@ -117,8 +131,7 @@ def relative_error(ours, theirs) -> np.ndarray:
 def test_the_checkpoint_is_read_as_the_family_config(pair):
     name, _, model, saved = pair
     assert model.config == CASES[name].replace(name="checkpoint")
-    assert saved["architectures"][0] == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
-        name, "LlamaForCausalLM")
+    assert saved["architectures"][0] == FAMILIES[family_of(name)].hf_architecture
 
 
 def test_logits_at_every_position_match_transformers(pair):
@@ -150,9 +163,33 @@ def test_each_feature_matters(pair):
     assert error.max() > 100 * TOLERANCE, (name, model.config.features, error.max())
 
 
+def test_mistral_window_as_wide_as_the_context_is_read_and_a_narrower_one_refused(tmp_path):
+    """transformers' Mistral with ``sliding_window`` = the context (its sliding-window mask hides
+    nothing) matches refkv; with a window narrower than the prompt its logits differ from full
+    attention, which is why refkv refuses such a checkpoint, naming the parameter."""
+    from refkv.model.safetensors_dir import CheckpointError
+
+    cfg = FAMILIES["mistral"].tiny
+    models = {}
+    for window in (cfg.max_positions, 16):
+        config, cls = hf_config(cfg, "mistral")
+        config.sliding_window = window
+        config._attn_implementation = "eager"
+        models[window] = cls(config).to(torch.float64).eval()
+        randomise(models[window], seed=11)
+        models[window].save_pretrained(tmp_path / str(window))
+    model = load(tmp_path / str(cfg.max_positions), dtype=np.float64)
+    tokens = prompt(cfg)
+    assert relative_error(model.forward_full(tokens), hf_logits(models[cfg.max_positions], tokens)).max() < TOLERANCE
+    assert relative_error(model.forward_full(tokens), hf_logits(models[16], tokens)).max() > 100 * TOLERANCE
+    with pytest.raises(CheckpointError, match=r"sliding-window attention \(sliding_window = 16 < "
+                                              r"max_position_embeddings = 256\) is not supported"):
+        load(tmp_path / "16")
+
+
 def test_llama3_scaling_crosses_every_band():
     """The llama3 case is a real test of the scaling: kept, interpolated and divided frequencies all occur."""
-    cfg = FAMILIES["llama3"]
+    cfg = FAMILIES["llama3"].tiny
     wavelength = 2 * np.pi / rope_frequencies(cfg.d_head, cfg.rope_base)
     low_edge = cfg.rope_original_context / cfg.rope_low_freq_factor
     high_edge = cfg.rope_original_context / cfg.rope_high_freq_factor
@@ -209,7 +246,7 @@ def test_tiny_family_round_trips_through_gguf(tmp_path, family):
 
     original = tiny(family, seed=3, dtype="float32")  # F32 in the file holds these values exactly
     cfg = original.config
-    arch = "llama" if family.startswith("llama") else family
+    arch = FAMILIES[family].gguf_architecture
     freqs = llama_cpp_rope_freqs(cfg) if cfg.rope_type == "llama3" else None
     path = tmp_path / f"{family}.gguf"
     write_gguf(path, cfg, original.weights, arch=arch, rope_freqs=freqs)
@@ -237,7 +274,7 @@ def test_tiny_family_round_trips_through_safetensors(tmp_path, family, dtype):
 
     original = tiny(family, seed=4, dtype="float32")
     cfg = original.config
-    hf, _ = hf_config(cfg)
+    hf, _ = hf_config(cfg, family)
     folder = tmp_path / "ckpt"
     folder.mkdir()
     (folder / "config.json").write_text(hf.to_json_string())
@@ -272,7 +309,7 @@ def test_tiny_family_round_trips_through_safetensors(tmp_path, family, dtype):
 @pytest.mark.parametrize("torch_dtype", ["bfloat16", "float16"])
 def test_half_precision_sharded_checkpoint_is_upcast_exactly(tmp_path, torch_dtype):
     """transformers' own bf16/fp16 writer, split into shards with an index: every value upcast exactly."""
-    config, cls = hf_config(CASES["qwen2"])
+    config, cls = hf_config(CASES["qwen2"], "qwen2")
     config._attn_implementation = "eager"
     hf = cls(config).to(torch.float64).eval()
     randomise(hf, seed=7)

@@ -256,9 +256,25 @@ def test_to_dict_leaves_out_unused_variants_and_round_trips():
     assert set(TINY.to_dict()) == {"vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff",
                                    "rope_base", "norm_eps", "tie_embeddings", "max_positions", "name"}
     with_factors = TINY.replace(rope_freq_factors=(1.0,) * 8)
-    for cfg in [TINY, with_factors, *FAMILIES.values()]:
+    for cfg in [TINY, with_factors, *(family.tiny for family in FAMILIES.values())]:
         assert ModelConfig(**cfg.to_dict()) == cfg
-    assert FAMILIES["qwen3"].features == ("qk_norm",)
+    assert FAMILIES["qwen3"].tiny.features == ("qk_norm",)
+
+
+def test_family_table_lookups():
+    """A reader takes the first entry with a file's name: Llama 3 checkpoints and Mistral GGUF
+    files are Llama files; each family's tiny model switches on what its entry reads."""
+    from refkv.model.families import FAMILIES, by_gguf_architecture, by_model_type, hf_architectures
+
+    assert by_model_type("llama") is FAMILIES["llama"] and by_model_type("mistral") is FAMILIES["mistral"]
+    assert by_model_type(None, ["Foo", "Qwen3ForCausalLM"]) is FAMILIES["qwen3"]
+    assert by_model_type("gpt2", ["LlamaForCausalLM"]) is None  # a model_type given is what counts
+    assert by_model_type(["llama"]) is None and by_gguf_architecture(None) is None
+    assert by_gguf_architecture("llama") is FAMILIES["llama"] and by_gguf_architecture("mistral") is None
+    assert hf_architectures() == ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+    for family in FAMILIES.values():
+        flags = family.attention_flags(family.tiny.attention_bias)
+        assert all(getattr(family.tiny, key) == value for key, value in flags.items()), family.name
 
 
 def test_optional_weights_must_match_the_config():
@@ -280,7 +296,7 @@ def test_variants_leave_llama_weights_unchanged():
         assert all(np.array_equal(a.arrays()[k], b.arrays()[k]) for k in a.arrays())
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
 def test_tiny_family_models(family):
     from refkv.model.families import tiny
 
@@ -291,4 +307,4 @@ def test_tiny_family_models(family):
     with pytest.raises(ValueError, match="seed must be an integer >= 0"):
         tiny(family, seed=-1)
     with pytest.raises(ValueError, match="family must be one of"):
-        tiny("mistral")
+        tiny("gpt2")
