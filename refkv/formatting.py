@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["format_ranges"]
+__all__ = ["format_position_set", "format_ranges"]
 
 
 def format_ranges(positions: np.ndarray) -> str:
@@ -19,3 +19,8 @@ def format_ranges(positions: np.ndarray) -> str:
         prev = p
     parts.append(f"{start}-{prev}" if prev > start else str(start))
     return ",".join(parts)
+
+
+def format_position_set(positions) -> str:
+    """Positions in any order (a kept set) as sorted ranges: :func:`format_ranges` of them sorted."""
+    return format_ranges(np.sort(np.asarray(positions)))

@@ -110,8 +110,8 @@ def first_failure(policy, kernel, golden=GOLDEN, outputs=("scores", "protected",
 # -- the same from the command line: write a candidate directory, run `refkv golden check` ------------
 def write_candidate(directory, kernels, golden=GOLDEN):
     """Write the kernels' outputs on the golden float32 cases as a candidate directory."""
+    from refkv.oracle.encode import candidate_document
     from refkv.oracle.io import write_json
-    from refkv.oracle.vectors import candidate_document
 
     for policy, kernel in kernels.items():
         outputs = {case.id: kernel(case) for case in float32_cases(policy, golden)}

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from refkv import policies
+from refkv.oracle.encode import encode_case, vectors_document
 from refkv.oracle.io import write_json
 from refkv.oracle.synthetic import Tokens, random_tokens, replay
-from refkv.oracle.vectors import encode_case, json_params, read_vectors, vectors_document
+from refkv.oracle.vectors import json_params, read_vectors
 from refkv.testing import assert_case
 
 

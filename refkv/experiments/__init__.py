@@ -14,17 +14,6 @@ resumes, runs cells in parallel processes and shows a progress bar; plots
 (:mod:`~refkv.experiments.plots`) need matplotlib (the ``plot`` extra).
 """
 
-from .runner import Experiment, Settings, get_experiment, read_records, run
+from .runner import EXPERIMENT_MODULES, Experiment, Settings, get_experiment, read_records, run
 
 __all__ = ["EXPERIMENT_MODULES", "Experiment", "Settings", "get_experiment", "read_records", "run"]
-
-#: Modules that register an experiment, in the order ``refkv experiment all`` runs them.
-EXPERIMENT_MODULES = ("passkey", "perplexity", "attention_loss", "geometry")
-
-
-def _load_all() -> None:
-    """Import every experiment module (each registers itself); cheap after the first call."""
-    import importlib
-
-    for name in EXPERIMENT_MODULES:
-        importlib.import_module(f"{__name__}.{name}")

@@ -39,6 +39,7 @@ advisory lock where the platform has one), the later record wins.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import platform
@@ -259,6 +260,14 @@ class Experiment:
 
 
 _EXPERIMENTS: dict[str, Experiment] = {}
+#: Modules that register an experiment, in the order ``refkv experiment all`` runs them.
+EXPERIMENT_MODULES = ("passkey", "perplexity", "attention_loss", "geometry")
+
+
+def _load_all() -> None:
+    """Import every experiment module (each registers itself); cheap after the first call."""
+    for name in EXPERIMENT_MODULES:
+        importlib.import_module(f"{__package__}.{name}")
 
 
 def register_experiment(experiment: Experiment) -> Experiment:
@@ -273,8 +282,6 @@ def get_experiment(name: str) -> Experiment:
     """The registered experiment ``name``."""
     if name in _EXPERIMENTS:
         return _EXPERIMENTS[name]
-    from . import _load_all
-
     _load_all()
     try:
         return _EXPERIMENTS[name]
@@ -284,8 +291,6 @@ def get_experiment(name: str) -> Experiment:
 
 def experiment_names() -> list[str]:
     """Names of the registered experiments, in registration order."""
-    from . import _load_all
-
     _load_all()
     return list(_EXPERIMENTS)
 

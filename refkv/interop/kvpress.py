@@ -56,9 +56,11 @@ import kvpress
 import torch
 import transformers
 
-from ..oracle.endtoend import EndToEnd, build_model, is_schedule, read_end_to_end, write_end_to_end
+from ..oracle.encode import encode_case, vectors_document
+from ..oracle.endtoend import EndToEnd, is_schedule, read_end_to_end, write_end_to_end
 from ..oracle.hfexport import hf_config_dict, hf_tensors
 from ..oracle.io import write_json
+from ..oracle.models import build_model
 from ..oracle.schema import E2E_SCHEMA, SCHEDULE_VERSION, header
 from ..oracle.synthetic import (
     duplicate_key,
@@ -69,7 +71,6 @@ from ..oracle.synthetic import (
     replay,
     zero_key,
 )
-from ..oracle.vectors import encode_case, vectors_document
 from ..policies import get as get_policy
 from ..policies import select
 from ..schedule import Schedule
@@ -730,8 +731,8 @@ def oneshot_documents(seed: int = 20251122) -> dict:
 
     Built only with public functions: :func:`refkv.oracle.synthetic.random_tokens` and
     its adversarial edits, :func:`~refkv.oracle.synthetic.replay` with
-    ``block_size = T``, :func:`refkv.oracle.vectors.encode_case` and
-    :func:`~refkv.oracle.vectors.vectors_document`.
+    ``block_size = T``, :func:`refkv.oracle.encode.encode_case` and
+    :func:`~refkv.oracle.encode.vectors_document`.
     """
     docs = {}
     for name, params in ONESHOT_POLICIES.items():

@@ -2,8 +2,10 @@
 
 * :mod:`refkv.oracle.schema` -- file kinds, versions, flags, arrays in JSON;
 * :mod:`refkv.oracle.io` -- atomic, reproducible writing; reading without pickle;
-* :mod:`refkv.oracle.vectors` -- score-function test vectors (JSON);
-* :mod:`refkv.oracle.endtoend` -- end-to-end goldens of the built-in model (JSON + npz);
+* :mod:`refkv.oracle.vectors` -- score-function test vectors (JSON), read back;
+  :mod:`refkv.oracle.encode` writes them;
+* :mod:`refkv.oracle.endtoend` -- end-to-end goldens of tiny models (JSON + npz), read and
+  written; :mod:`refkv.oracle.recorder` records them, running :mod:`refkv.oracle.models`;
 * :mod:`refkv.oracle.compare` -- comparison, split by level: :mod:`~refkv.oracle.arrays`,
   :mod:`~refkv.oracle.tolerance`, :mod:`~refkv.oracle.declare`, :mod:`~refkv.oracle.retention`,
   :mod:`~refkv.oracle.cases`, :mod:`~refkv.oracle.walk`, :mod:`~refkv.oracle.checker`,
@@ -16,7 +18,8 @@ projects' tests are in :mod:`refkv.testing`.
 """
 
 from .compare import check_suite, compare_arrays, compare_retention
-from .endtoend import EndToEnd, read_end_to_end, run_end_to_end
+from .endtoend import EndToEnd, read_end_to_end
+from .recorder import run_end_to_end
 from .schema import SCHEMA_VERSION, SUPPORTED_VERSIONS
 from .suite import generate_suite, read_suite
 from .vectors import VectorCase, VectorFile, read_vectors

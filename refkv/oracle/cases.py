@@ -11,15 +11,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..formatting import format_ranges
 from ..validation import check_choice, check_float
 from .arrays import as_array, compare_arrays
 from .declare import Declarations
 from .retention import compare_ranking, compare_retention
 from .status import Status
-from .tolerance import check_dtype_name, score_tolerance, tie_rule_meaningless
+from .tolerance import check_dtype_name, score_tolerance, tie_rule_meaningless, tolerance_rule
 from .vectors import as_vector_case
 
-__all__ = ["KEPT_AS", "CaseResult", "compare_case", "describe_position", "tolerance_rule"]
+__all__ = ["KEPT_AS", "CaseResult", "compare_case", "describe_position"]
 
 #: How a candidate's ``kept`` names its tokens: column indices into the case's candidates
 #: (the format's own), or the tokens' positions (``inputs["positions"]``).
@@ -75,12 +76,6 @@ def describe_position(positions: np.ndarray) -> Callable[[tuple], str]:
     return describe
 
 
-def tolerance_rule(dtype: str, factor: float) -> str:
-    """How a tie was accepted, in words."""
-    rule = f"{dtype} tolerance at the two scores' own scale"
-    return rule + (f", times --tolerance-factor {factor:g}" if factor != 1.0 else "")
-
-
 def compare_case(candidate: dict, reference, *, dtype=None, declare=None, tolerance_factor: float = 1.0,
                  strict_ties: bool = False, check_dtype="kind", kept_as: str = "columns") -> CaseResult:
     """Compare a candidate's outputs with a reference :class:`~refkv.oracle.vectors.VectorCase`.
@@ -92,7 +87,7 @@ def compare_case(candidate: dict, reference, *, dtype=None, declare=None, tolera
         column indices (or positions, ``kept_as``); array-likes
         (:func:`refkv.oracle.arrays.as_array`).
     reference : VectorCase or dict
-        A case, or what :func:`refkv.oracle.vectors.encode_case` returns
+        A case, or what :func:`refkv.oracle.encode.encode_case` returns
         (:func:`refkv.oracle.vectors.as_vector_case`).
     dtype : {"float64", "float32", "bfloat16", "float16"}, optional
         The precision the candidate computed in; default the case's own dtype. Score
@@ -296,8 +291,6 @@ def _positions_hint(kept, positions, desired, kept_as) -> str:
 
 def _kept_sets(h, kept, desired, positions) -> str:
     """The two kept sets of the failing head, by position (empty if the failure is not per head)."""
-    from ..formatting import format_ranges
-
     if h is None:
         return ""
     cand, ref = np.sort(positions[h][kept[h]]), np.sort(positions[h][desired[h]])

@@ -2,7 +2,7 @@
 
 The reference is a suite folder (``suite.json``, checksums verified) or any folder of
 golden files without one (a folder of one-shot cases built with
-:func:`refkv.oracle.synthetic.replay` and :func:`refkv.oracle.vectors.encode_case`); the
+:func:`refkv.oracle.synthetic.replay` and :func:`refkv.oracle.encode.encode_case`); the
 candidate mirrors its layout, or holds vectors files of the same policies anywhere
 inside it. A file that cannot be read -- malformed, not a regular file (a FIFO, a link to
 ``/dev/zero``), arrays whose headers declare more than they hold -- fails on its own line;

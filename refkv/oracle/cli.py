@@ -75,7 +75,7 @@ def add_golden_command(sub) -> None:
     c.add_argument("--verbose", action="store_true", help="list passing files and every tie")
     c.set_defaults(func=_cmd_check)
 
-    from .endtoend import MODELS
+    from .models import MODELS
 
     w = gsub.add_parser("weights", help="export the weights of a golden's model: a transformers checkpoint "
                                         "directory (config.json + model.safetensors), or npz + JSON manifest")
@@ -171,7 +171,7 @@ def _cmd_check(args) -> int:
 def _cmd_weights(args) -> int:
     from pathlib import Path
 
-    from .endtoend import MODELS, export_weights
+    from .models import MODELS, export_weights
 
     if args.out.endswith(".npz"):
         if args.model not in MODELS:
@@ -187,7 +187,7 @@ def _cmd_weights(args) -> int:
 
     dtype = args.dtype or ("float64" if args.model in MODELS else "float32")
     if args.model in MODELS:
-        from .endtoend import build_model
+        from .models import build_model
 
         model = build_model(args.model, args.seed, dtype)
     else:

@@ -1,6 +1,6 @@
 """Schedule goldens: a candidate's compression rounds against the reference, row by row.
 
-A schedule golden (:func:`refkv.oracle.endtoend.run_schedule_golden`) records, per
+A schedule golden (:func:`refkv.oracle.recorder.run_schedule_golden`) records, per
 compression round, layer and KV head, the positions the reference holds, the candidates
 of its eviction with their scores, and a fingerprint of the key and value each kept
 position holds. A candidate gives, per round (arrays indexed like the golden's):
@@ -36,13 +36,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..formatting import format_position_set
 from ..validation import check_float
 from .arrays import as_array, fmt
 from .declare import Declarations
+from .endtoend import fingerprints
 from .retention import compare_kept
 from .status import Status
-from .tolerance import check_dtype_name, e2e_rtol
-from .walk import EndToEndResult, compare_final_logits, decision_tolerance, downstream
+from .tolerance import check_dtype_name, decision_tolerance, e2e_rtol, scaled_atol, tolerance_rule
+from .walk import EndToEndResult, compare_final_logits, downstream
 
 __all__ = ["KINDS", "Divergence", "compare_schedule"]
 
@@ -76,12 +78,6 @@ class ScheduleResult(EndToEndResult):
     scores_checked: int = 0
 
 
-def _ranges(positions) -> str:
-    from ..formatting import format_ranges
-
-    return format_ranges(np.sort(np.asarray(positions)))
-
-
 def _optional(candidate: dict, name: str):
     return as_array(candidate[name], name) if name in candidate else None
 
@@ -101,7 +97,7 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
     res.notes += decl.lines()
     if factor != 1.0:
         res.notes.append(f"tolerance factor {factor:g} (explicit override of the {name} tolerances)")
-    rule = f"{name} tolerance at the two scores' own scale" + (f", times {factor:g}" if factor != 1 else "")
+    rule = tolerance_rule(name, factor, factor_name="")
     before = bool(manifest["policy"].get("evict_before_attention", False))
 
     kept_r, counts_r = reference["kept"], reference["kept_count"]
@@ -172,7 +168,7 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
                 a_set = np.sort(a_real)
                 if len(np.unique(a_real)) != len(a_real):
                     diverge(r, l, h, "kept-set difference beyond ties",
-                            f"{where}: candidate rows claim a position twice ({_ranges(a_real)})")
+                            f"{where}: candidate rows claim a position twice ({format_position_set(a_real)})")
                     continue
                 if len(a_real) != len(r_pos):
                     diverge(r, l, h, "kept count differs",
@@ -183,7 +179,7 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
                     if c == 0:
                         diverge(r, l, h, "kept-set difference beyond ties",
                                 f"{where}: kept positions differ but the reference did not evict in this round "
-                                f"(candidate {_ranges(a_rows)}, reference {_ranges(r_pos)})")
+                                f"(candidate {format_position_set(a_rows)}, reference {format_position_set(r_pos)})")
                         continue
                     pos_row = cand_pos[r, l, h, :c]
                     in_a, in_r = np.isin(a_set, pos_row), np.isin(r_pos, pos_row)
@@ -243,8 +239,6 @@ def _final_step(manifest: dict) -> int:
 
 def _check_rows(res, r, l, h, where, a_rows, r_pos, reference, row_keys, row_values, d_head, p_rtol, ptol, diverge):
     """Each candidate row's key (value) fingerprint against the reference's for the position it claims."""
-    from .endtoend import fingerprints
-
     index = {int(p): i for i, p in enumerate(r_pos)}
     for name, rows, prints in (("key", row_keys, reference["key_print"]), ("value", row_values,
                                                                         reference["value_print"])):
@@ -257,7 +251,7 @@ def _check_rows(res, r, l, h, where, a_rows, r_pos, reference, row_keys, row_val
         rows_here = np.asarray([rows[r, l, h, i] for i, _ in held], dtype=np.float64)
         got = fingerprints(rows_here, d_head)
         want = np.asarray([prints[r, l, h, j] for _, j in held])
-        atol = p_rtol / max(ptol["rtol"], 1e-300) * ptol["atol"]
+        atol = scaled_atol(ptol, p_rtol)
         bad = np.abs(got - want) > atol + p_rtol * np.abs(want)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])

@@ -44,8 +44,11 @@ from .. import policies as policy_registry
 from ..engine import Engine
 from ..files import atomic_write
 from ..policies import Policy
-from .endtoend import build_model, end_to_end_files, prompt_tokens, run_end_to_end
+from .encode import encode_case, vectors_document
+from .endtoend import end_to_end_files
 from .io import dumps, read_json, read_npz, sha256
+from .models import build_model, prompt_tokens
+from .recorder import run_end_to_end
 from .schema import SUITE_SCHEMA, check_header, header, require
 from .synthetic import (
     Tokens,
@@ -57,7 +60,8 @@ from .synthetic import (
     replay,
     zero_key,
 )
-from .vectors import DEFAULT_TOLERANCE, encode_case, json_params, vectors_document
+from .tolerance import DEFAULT_TOLERANCE
+from .vectors import json_params
 
 __all__ = ["BUDGETS", "E2E_MODELS", "E2E_SETTINGS", "ONESHOT_SETTINGS", "RECIPES", "REGENERATION_BOUND",
            "SCHEDULE_SETTINGS", "VARIANTS", "Recipe", "ScheduleSetting", "Setting", "generate_schedules",
@@ -207,7 +211,7 @@ ONESHOT_SETTINGS = (Setting(16, None, 40), Setting(40, None, 64))
 E2E_UNBOUNDED = Setting(None, 8, 40)
 E2E_UNBOUNDED_ONESHOT = Setting(None, None, 40)
 
-#: The models end-to-end goldens run (names of :data:`refkv.oracle.endtoend.MODELS`): a tiny
+#: The models end-to-end goldens run (names of :data:`refkv.oracle.models.MODELS`): a tiny
 #: model of another architecture is added to the suite with one entry here.
 E2E_MODELS = ("tiny", "llama3", "qwen2", "qwen3")
 #: Models other than the built-in one get the smaller set a backend of that architecture
@@ -475,7 +479,7 @@ SCHEDULE_SETTINGS = (_schedule_settings(16, 24, 4), _schedule_settings(40, 48, 8
 
 def policy_schedules(name: str) -> tuple[list[tuple[str, dict, dict]], list[dict]]:
     """``[(label, manifest, arrays)]`` of policy ``name``'s schedule goldens (tiny model) and the skips."""
-    from .endtoend import run_schedule_golden
+    from .recorder import run_schedule_golden
 
     out, skipped = [], []
     policy = policy_registry.get(name)
@@ -511,10 +515,10 @@ def policy_schedules(name: str) -> tuple[list[tuple[str, dict, dict]], list[dict
 
 
 def load_golden_model(name: str, dtype: str):
-    """A model for goldens: a name of :data:`refkv.oracle.endtoend.MODELS` (seeded random weights),
+    """A model for goldens: a name of :data:`refkv.oracle.models.MODELS` (seeded random weights),
     ``"smollm2"`` or a checkpoint path (:func:`refkv.model.load`)."""
     from ..model import load
-    from .endtoend import MODELS
+    from .models import MODELS
 
     if name in MODELS:
         return build_model(name, MODEL_SEED, dtype)
@@ -530,7 +534,9 @@ def generate_schedules(out, policies: list[str] | None, schedule, *, model: str 
     A real checkpoint defaults to float32 (the reduced set: one precision, one schedule).
     A policy that refuses the schedule is skipped and listed. Returns ``{"written", "skipped"}``.
     """
-    from .endtoend import MODELS, run_schedule_golden, write_end_to_end
+    from .endtoend import write_end_to_end
+    from .models import MODELS
+    from .recorder import run_schedule_golden
 
     out = Path(out)
     if (out / "suite.json").exists():

@@ -1,6 +1,28 @@
-"""Tolerances derived from the precision a candidate computed in, and from each value's own scale.
+"""Every tolerance of the oracle: the rules, what each is for, and the precision they derive from.
 
-The derivation is in ``docs/oracle/tolerances.rst``; in short:
+==============================  ==============================================================
+rule                            what it is for
+==============================  ==============================================================
+:func:`score_tolerance`         checking a candidate's scores and kept tokens against a
+                                vectors case: a per-score tolerance derived from the dtype the
+                                candidate computed in (below)
+:data:`DEFAULT_TOLERANCE`,      the ``tolerance`` a vectors case states (``rtol`` by dtype,
+:func:`tolerance_for`           ``atol`` scaled by the scores): what the file tells a reader
+                                who compares by hand, and the scale of the ``near-tie`` flag
+:data:`DEFAULT_E2E_TOLERANCE`,  the ``tolerance`` an end-to-end golden states for its logits,
+:func:`e2e_tolerance`           scores and fingerprints (a whole model runs: looser)
+:func:`e2e_rtol`                that stated ``rtol`` scaled to the candidate's dtype
+:func:`scaled_atol`             a stated ``atol`` scaled as its ``rtol`` was (fingerprints)
+:func:`decision_tolerance`      per-candidate tolerance of one end-to-end decision's scores,
+                                from that ``rtol`` (and :func:`score_tolerance`'s fallback for
+                                a policy this process does not know)
+:func:`scale_floor`             ``max(1, largest finite |value|)``: the scale of every
+                                absolute tolerance above that is not per value
+:func:`tie_rule_meaningless`    whether a tolerance is so wide that any swap is a tie
+:func:`tolerance_rule`          how a report names the rule that accepted a tie
+==============================  ==============================================================
+
+The derivation of :func:`score_tolerance` is in ``docs/oracle/tolerances.rst``; in short:
 
 * A candidate computing in a dtype with unit roundoff ``u`` (:data:`UNIT_ROUNDOFF`)
   rounds its inputs to that dtype (a relative error ``<= u`` per element) and then
@@ -38,17 +60,25 @@ import numpy as np
 from ..validation import check_choice
 
 __all__ = [
+    "DEFAULT_E2E_TOLERANCE",
+    "DEFAULT_TOLERANCE",
     "DTYPES",
     "RANDOM_TRIALS",
     "SMALLEST_SUBNORMAL",
     "UNIT_ROUNDOFF",
     "backward_error",
     "check_dtype_name",
+    "decision_tolerance",
     "e2e_rtol",
+    "e2e_tolerance",
     "reductions",
     "round_to",
+    "scale_floor",
+    "scaled_atol",
     "score_tolerance",
     "tie_rule_meaningless",
+    "tolerance_for",
+    "tolerance_rule",
 ]
 
 #: Unit roundoff ``u`` (half the machine epsilon) of each dtype a candidate may declare.
@@ -59,6 +89,13 @@ DTYPES = tuple(UNIT_ROUNDOFF)
 SMALLEST_SUBNORMAL = {"float64": 2.0 ** -1074, "float32": 2.0 ** -149, "bfloat16": 2.0 ** -133, "float16": 2.0 ** -24}
 #: Seeded random-sign perturbations per case (besides the rounding and the all-positive one).
 RANDOM_TRIALS = 4
+#: ``rtol`` a vectors case states, per dtype; its ``atol`` is the same number times the
+#: scores' :func:`scale_floor` (see :func:`tolerance_for`).
+DEFAULT_TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
+#: ``rtol`` an end-to-end golden states for its logits, scores and fingerprints, per dtype
+#: (a whole model runs before each value: looser than :data:`DEFAULT_TOLERANCE`); ``atol`` as
+#: there (see :func:`e2e_tolerance`).
+DEFAULT_E2E_TOLERANCE = {"float64": 1e-8, "float32": 1e-4}
 
 _BF16_MAX = (2.0 - 2.0 ** -7) * 2.0 ** 127
 
@@ -193,8 +230,6 @@ def score_tolerance(case, dtype=None) -> np.ndarray:
         # A policy this process does not know: no reference code to measure the
         # conditioning with, so the magnitude model of end-to-end goldens, with a
         # doubled eta (e2e goldens store no inputs either).
-        from .walk import decision_tolerance
-
         rows = [decision_tolerance(row, 2.0 * eta) for row in ref]
         return np.stack(rows) + u * np.where(np.isfinite(ref), np.abs(ref), 0.0) if rows else np.zeros(ref.shape)
     base = _scores(policy, _float_inputs(case, lambda _, a: a))
@@ -234,6 +269,60 @@ def score_tolerance(case, dtype=None) -> np.ndarray:
         output = eta * np.where(finite, np.abs(ref), 0.0) + 0.5 * (eta / u) * SMALLEST_SUBNORMAL[name]
         tol = np.maximum.reduce([rounded, positive, 2.0 * signed]) + output + own
     return np.where(np.isfinite(ref), tol, 0.0)
+
+
+def scale_floor(values) -> float:
+    """``max(1, largest finite |value|)`` (1 when none is finite): the scale of an absolute tolerance.
+
+    A value near zero is computed from values of order one or of the largest one (a cosine
+    close to 0 has an error of order ``eps * 1``, not ``eps * |cos|``).
+    """
+    v = np.abs(np.asarray(values, dtype=np.float64))
+    v = v[np.isfinite(v)]
+    return max(1.0, float(v.max())) if v.size else 1.0
+
+
+def tolerance_for(dtype, scores: np.ndarray) -> dict:
+    """The tolerance a vectors case states: ``rtol`` from :data:`DEFAULT_TOLERANCE` by dtype,
+    ``atol = rtol * scale_floor(scores)``."""
+    rtol = DEFAULT_TOLERANCE[np.dtype(dtype).name]
+    return {"rtol": rtol, "atol": rtol * scale_floor(scores)}
+
+
+def e2e_tolerance(dtype, values) -> dict:
+    """The tolerance an end-to-end golden states for ``values`` (its logits, scores or
+    fingerprints): ``rtol`` from :data:`DEFAULT_E2E_TOLERANCE`, ``atol = rtol * scale_floor(values)``."""
+    rtol = DEFAULT_E2E_TOLERANCE[np.dtype(dtype).name]
+    return {"rtol": rtol, "atol": rtol * scale_floor(values)}
+
+
+def scaled_atol(stated: dict, rtol: float) -> float:
+    """A golden's stated ``{"rtol", "atol"}`` with ``rtol`` replaced by ``rtol`` (from
+    :func:`e2e_rtol`, times an override): the ``atol`` that goes with it, scaled by the same
+    factor (a schedule golden's fingerprints, compared with ``atol + rtol |want|``)."""
+    return rtol / max(stated["rtol"], 1e-300) * stated["atol"]
+
+
+def decision_tolerance(scores: np.ndarray, rtol: float) -> np.ndarray:
+    """Per-candidate tolerance of one end-to-end decision's scores: ``rtol * max(|s_i|, m)``.
+
+    ``m`` is the median magnitude of the decision's finite scores (a score near zero is
+    computed from values of the typical magnitude); any shape; NaN padding gives 0.
+    """
+    s = np.abs(np.asarray(scores, dtype=np.float64))
+    finite = np.isfinite(s)
+    typical = float(np.median(s[finite])) if finite.any() else 0.0
+    return np.where(finite, rtol * np.maximum(s, typical), 0.0)
+
+
+def tolerance_rule(dtype: str, factor: float, factor_name: str = "--tolerance-factor") -> str:
+    """How a report names the rule that accepted a tie: ``"float32 tolerance at the two
+    scores' own scale"``, and ``", times --tolerance-factor 2"`` (``factor_name`` and the
+    factor) after an explicit override."""
+    rule = f"{dtype} tolerance at the two scores' own scale"
+    if factor == 1.0:
+        return rule
+    return rule + f", times {factor_name + ' ' if factor_name else ''}{factor:g}"
 
 
 def tie_rule_meaningless(scores: np.ndarray, tol: np.ndarray, candidates: np.ndarray | None = None) -> bool:

@@ -20,10 +20,10 @@ Two forms:
   layers and the logits unchecked. Weaker: a difference that cancels out within the run
   is not seen.
 
-Score tolerances are ``tol_i = rtol * max(|s_i|, m)`` per decision, ``m`` the median
-magnitude of that decision's scores (a score near zero is computed from values of the
-typical magnitude), with ``rtol`` from :func:`refkv.oracle.tolerance.e2e_rtol`; a swap is
-a tie when ``|s_i - s_j| <= tol_i + tol_j``.
+Score tolerances are :func:`refkv.oracle.tolerance.decision_tolerance` per decision
+(``tol_i = rtol * max(|s_i|, m)``, ``m`` the median magnitude of that decision's scores),
+with ``rtol`` from :func:`refkv.oracle.tolerance.e2e_rtol`; a swap is a tie when
+``|s_i - s_j| <= tol_i + tol_j``.
 """
 
 from __future__ import annotations
@@ -32,14 +32,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..formatting import format_ranges
 from ..validation import check_float
 from .arrays import Mismatch, as_array, compare_arrays, fmt
 from .declare import Declarations
 from .retention import compare_kept
 from .status import Outcome, Status
-from .tolerance import check_dtype_name, e2e_rtol, tie_rule_meaningless
+from .tolerance import (
+    check_dtype_name,
+    decision_tolerance,
+    e2e_rtol,
+    scale_floor,
+    tie_rule_meaningless,
+    tolerance_rule,
+)
 
-__all__ = ["EndToEndResult", "compare_end_to_end", "decision_tolerance"]
+__all__ = ["EndToEndResult", "compare_end_to_end"]
 
 
 @dataclass
@@ -53,21 +61,6 @@ class EndToEndResult(Outcome):
     logits: str = ""
     form: str = "per block"
     notes: list = field(default_factory=list)
-
-
-
-def decision_tolerance(scores: np.ndarray, rtol: float) -> np.ndarray:
-    """Per-candidate tolerance of one decision's scores (any shape; NaN padding gives 0)."""
-    s = np.abs(np.asarray(scores, dtype=np.float64))
-    finite = np.isfinite(s)
-    typical = float(np.median(s[finite])) if finite.any() else 0.0
-    return np.where(finite, rtol * np.maximum(s, typical), 0.0)
-
-
-def _ranges(positions) -> str:
-    from ..formatting import format_ranges
-
-    return format_ranges(np.asarray(positions))
 
 
 def compare_end_to_end(candidate: dict, reference: dict, manifest: dict, *, dtype=None, declare=None,
@@ -89,7 +82,7 @@ def compare_end_to_end(candidate: dict, reference: dict, manifest: dict, *, dtyp
     res.notes += decl.lines()
     if factor != 1.0:
         res.notes.append(f"tolerance factor {factor:g} (explicit override of the {name} tolerances)")
-    rule = f"{name} tolerance at the two scores' own scale" + (f", times {factor:g}" if factor != 1 else "")
+    rule = tolerance_rule(name, factor, factor_name="")
     before = bool(manifest["policy"].get("evict_before_attention", False))
     walk = _walk_final if final_only else _walk_blocks
     ties_at = walk(res, candidate, reference, rtol, rule, before, strict_ties)
@@ -114,8 +107,7 @@ def compare_final_logits(res, candidate: dict, reference: dict, rtol: float, che
     (prefixed by ``what``) or ``res.logits`` (the largest difference). Shared by the per-block
     walk and the schedule checker (:mod:`refkv.oracle.rounds`)."""
     ref_logits = np.asarray(reference["logits"], dtype=np.float64)
-    finite = np.abs(ref_logits[np.isfinite(ref_logits)])
-    atol = rtol * max(1.0, float(finite.max()) if finite.size else 1.0)
+    atol = rtol * scale_floor(ref_logits)
     logits = as_array(candidate["logits"], "logits")
     mm = compare_arrays(logits, reference["logits"], rtol=rtol, atol=atol, check_dtype=check_dtype,
                         describe_index=lambda i: f"token id {i[0]}")
@@ -197,7 +189,7 @@ def _walk_blocks(res, candidate, reference, rtol, rule, before, strict_ties) -> 
                 c = int(cand_n[b, l])
                 if c == 0:
                     res.failure = (f"{where}: kept positions differ but the reference did not evict here "
-                                   f"(candidate {_ranges(a_pos)}, reference {_ranges(r_pos)})")
+                                   f"(candidate {format_ranges(a_pos)}, reference {format_ranges(r_pos)})")
                     return tie_at
                 # Tokens that arrived after an evict-before-attention decision are not
                 # among its candidates; those must simply agree.
@@ -275,7 +267,8 @@ def _walk_final(res, candidate, reference, rtol, rule, before, strict_ties) -> l
                 options = [d for d in dropped if d in set(row_pos.tolist())]
                 if not options:
                     res.failure = (f"{where} (reference eviction at block {b}): candidate holds position {e} "
-                                   f"instead of {_ranges(dropped)}, none of which was a candidate of that eviction")
+                                   f"instead of {format_ranges(dropped)}, none of which was a candidate of that "
+                                   "eviction")
                     return tie_at
                 col = {int(p): i for i, p in enumerate(row_pos)}
                 d = min(options, key=lambda p: abs(row[col[p]] - row[col[e]]))

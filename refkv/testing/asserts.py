@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..formatting import format_position_set
 from ..oracle.arrays import as_array, compare_arrays
 from ..oracle.cases import compare_case, describe_position
 from ..oracle.retention import compare_retention
@@ -62,12 +63,6 @@ def assert_scores_close(actual, desired, *, rtol: float = 1e-7, atol: float = 0.
         raise AssertionError(_headline("scores differ", err_msg) + "\n" + mismatch.message)
 
 
-def _ranges(values) -> str:
-    from ..formatting import format_ranges
-
-    return format_ranges(np.sort(np.asarray(values)))
-
-
 def assert_same_retention(actual, desired, scores, *, positions=None, protected=None, rtol: float = 1e-7,
                           atol: float = 0.0, tolerance=None, strict_ties: bool = False, err_msg: str = "") -> list:
     """Raise AssertionError unless ``actual`` keeps the same tokens as ``desired``, up to ties.
@@ -123,8 +118,8 @@ def assert_same_retention(actual, desired, scores, *, positions=None, protected=
             h = result.head
             cand = pos[h][actual[h]]
             ref = pos[h][desired[h]]
-            lines.append(f"  head {h}: candidate keeps positions {_ranges(cand)}")
-            lines.append(f"  head {h}: reference keeps positions {_ranges(ref)}")
+            lines.append(f"  head {h}: candidate keeps positions {format_position_set(cand)}")
+            lines.append(f"  head {h}: reference keeps positions {format_position_set(ref)}")
             only_c = sorted(set(cand.tolist()) - set(ref.tolist()))
             only_r = sorted(set(ref.tolist()) - set(cand.tolist()))
             lines.append(f"  only the candidate keeps {only_c}; only the reference keeps {only_r}")
@@ -144,7 +139,7 @@ def assert_case(case: VectorCase | dict, *, scores=None, protected=None, kept=No
     ----------
     case : refkv.oracle.VectorCase or dict
         From :func:`load_cases` or :func:`refkv.oracle.read_vectors`, or what
-        :func:`refkv.oracle.vectors.encode_case` returns.
+        :func:`refkv.oracle.encode.encode_case` returns.
     scores : (Hkv, n) array_like, optional
     protected : (Hkv, n) bool array_like, optional
     kept : (Hkv, m) int array_like, optional

@@ -50,22 +50,6 @@ def _subset(name: str, subset, n: int) -> np.ndarray:
     return idx
 
 
-def _index(name: str, j, n: int) -> int:
-    if isinstance(j, bool) or not isinstance(j, (int, np.integer)) or not 0 <= j < n:
-        raise ValueError(f"{name} must be an integer in [0, {n - 1}], got {j!r}")
-    return int(j)
-
-
-def _probability(name: str, p, *, open_low: bool = True, open_high: bool = True) -> float:
-    p = float(p)
-    low_ok = p > 0.0 if open_low else p >= 0.0
-    high_ok = p < 1.0 if open_high else p <= 1.0
-    if not (low_ok and high_ok):
-        lo, hi = "(0" if open_low else "[0", "1)" if open_high else "1]"
-        raise ValueError(f"{name} must be in {lo}, {hi}, got {p!r}")
-    return p
-
-
 def _norm(x: np.ndarray) -> float:
     """Euclidean norm scaled by the largest entry, so squares neither underflow nor overflow."""
     scale = float(np.max(np.abs(x))) if x.size else 0.0

@@ -32,8 +32,8 @@ transformers = pytest.importorskip("transformers", reason="needs transformers: p
 
 from refkv.cli import main  # noqa: E402
 from refkv.interop import kvpress as ka  # noqa: E402
+from refkv.oracle.encode import candidate_document  # noqa: E402
 from refkv.oracle.io import write_json  # noqa: E402
-from refkv.oracle.vectors import candidate_document  # noqa: E402
 from refkv.policies import available, select  # noqa: E402
 from refkv.policies import get as get_policy  # noqa: E402
 from refkv.testing import assert_case, assert_same_retention, load_cases  # noqa: E402

@@ -22,7 +22,8 @@ pytest.importorskip("transformers", reason="needs transformers: pip install 'ref
 from refkv import policies  # noqa: E402
 from refkv.cli import main  # noqa: E402
 from refkv.interop.kvpress import write_candidates  # noqa: E402
-from refkv.oracle.endtoend import run_schedule_golden, write_end_to_end  # noqa: E402
+from refkv.oracle.endtoend import write_end_to_end  # noqa: E402
+from refkv.oracle.recorder import run_schedule_golden  # noqa: E402
 from refkv.schedule import Schedule  # noqa: E402
 
 torch.set_num_threads(1)

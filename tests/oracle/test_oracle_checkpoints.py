@@ -7,7 +7,8 @@ import pytest
 
 from refkv.cli import main
 from refkv.model import load
-from refkv.oracle.endtoend import MODELS, build_model, read_end_to_end
+from refkv.oracle.endtoend import read_end_to_end
+from refkv.oracle.models import MODELS, build_model
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

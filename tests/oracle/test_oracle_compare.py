@@ -304,9 +304,10 @@ def test_declared_kept_only_ignores_scores_and_bad_declarations_are_refused(snap
 # -- folders and the command line ------------------------------------------------------------------------
 def _oneshot_folder(folder, policy="tova"):
     from refkv import policies
+    from refkv.oracle.encode import encode_case, vectors_document
     from refkv.oracle.io import write_json
     from refkv.oracle.synthetic import random_tokens, replay
-    from refkv.oracle.vectors import encode_case, json_params, vectors_document
+    from refkv.oracle.vectors import json_params
 
     pol = policies.get(policy)
     cases = []
@@ -326,8 +327,9 @@ def _run(capsys, *argv):
 
 
 def test_check_accepts_a_folder_of_case_files_without_suite_json(tmp_path, capsys):
+    from refkv.oracle.encode import candidate_document
     from refkv.oracle.io import write_json
-    from refkv.oracle.vectors import candidate_document, read_vectors
+    from refkv.oracle.vectors import read_vectors
 
     ref = tmp_path / "ref"
     ref.mkdir()

@@ -10,7 +10,8 @@ import pytest
 from refkv import Engine, policies
 from refkv.model import builtin_model
 from refkv.oracle import read_end_to_end, run_end_to_end
-from refkv.oracle.endtoend import export_weights, policy_from_manifest, prompt_tokens
+from refkv.oracle.endtoend import policy_from_manifest
+from refkv.oracle.models import export_weights, prompt_tokens
 from refkv.policies.adakv import safeguard
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "golden"
@@ -179,9 +180,9 @@ def test_a_model_is_added_to_the_suite_with_one_entry(monkeypatch, tmp_path):
     # The end-to-end model list is data: name -> builder. A second model (here the tiny one
     # with other weights, standing in for a tiny model of another architecture) adds its own
     # goldens, named after it, that check against themselves.
-    from refkv.oracle import check_suite, endtoend, generate_suite, suite
+    from refkv.oracle import check_suite, generate_suite, models, suite
 
-    monkeypatch.setitem(endtoend.MODELS, "other", lambda seed, dtype: builtin_model(seed=seed + 7, dtype=dtype))
+    monkeypatch.setitem(models.MODELS, "other", lambda seed, dtype: builtin_model(seed=seed + 7, dtype=dtype))
     monkeypatch.setattr(suite, "E2E_MODELS", ("tiny", "other"))
     index = generate_suite(tmp_path, ["sink"])
     other = [e["path"] for e in index["files"] if "/other-" in e["path"]]

@@ -1,6 +1,6 @@
 """Issue 22 G: the friction a kvpress developer met, each fixed and pinned.
 
-* :func:`refkv.testing.assert_case` takes what :func:`refkv.oracle.vectors.encode_case` returns;
+* :func:`refkv.testing.assert_case` takes what :func:`refkv.oracle.encode.encode_case` returns;
 * kept tokens given as positions are accepted with ``kept_as="positions"``, and given where
   column indices are expected they fail with one line saying which was expected (never an
   ``IndexError``);
@@ -21,16 +21,10 @@ import pytest
 from refkv import policies
 from refkv.cli import main
 from refkv.oracle.cases import compare_case
+from refkv.oracle.encode import candidate_document, encode_case, vectors_document
 from refkv.oracle.io import write_json
 from refkv.oracle.synthetic import random_tokens, replay
-from refkv.oracle.vectors import (
-    as_vector_case,
-    candidate_document,
-    encode_case,
-    json_params,
-    read_vectors,
-    vectors_document,
-)
+from refkv.oracle.vectors import as_vector_case, json_params, read_vectors
 from refkv.policies.h2o import FIELD as H2O_FIELD
 from refkv.testing import assert_case
 

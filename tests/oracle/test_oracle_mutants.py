@@ -17,6 +17,7 @@ from refkv import policies
 from refkv.oracle.cases import compare_case
 from refkv.oracle.checker import check_suite
 from refkv.oracle.declare import Declarations, parse_cli_declaration
+from refkv.oracle.encode import candidate_document, encode_case
 from refkv.oracle.io import write_json
 from refkv.oracle.retention import Swap, compare_kept, compare_ranking, compare_retention
 from refkv.oracle.synthetic import Tokens, random_tokens, replay
@@ -29,7 +30,7 @@ from refkv.oracle.tolerance import (
     score_tolerance,
     tie_rule_meaningless,
 )
-from refkv.oracle.vectors import as_vector_case, candidate_document, encode_case
+from refkv.oracle.vectors import as_vector_case
 from refkv.oracle.walk import compare_end_to_end
 from refkv.testing import load_cases
 

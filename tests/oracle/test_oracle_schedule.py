@@ -9,16 +9,10 @@ import pytest
 from refkv import Engine, policies
 from refkv.cli import main
 from refkv.model import builtin_model
-from refkv.oracle.endtoend import (
-    decode_tokens,
-    fingerprints,
-    is_schedule,
-    prompt_tokens,
-    read_end_to_end,
-    run_schedule_golden,
-    write_end_to_end,
-)
+from refkv.oracle.endtoend import fingerprints, is_schedule, read_end_to_end, write_end_to_end
 from refkv.oracle.io import read_json
+from refkv.oracle.models import decode_tokens, prompt_tokens
+from refkv.oracle.recorder import run_schedule_golden
 from refkv.oracle.rounds import compare_schedule
 from refkv.policies.keydiff import KeyDiff
 from refkv.schedule import Schedule, run_schedule

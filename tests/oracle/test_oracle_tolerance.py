@@ -8,7 +8,7 @@ candidates written here, each with one bug a GPU port can plausibly have.
 Cases: every float32 case :func:`refkv.testing.load_cases` finds in ``tests/golden`` for
 the policy (so one-shot cases added to the suite are picked up), plus one-shot cases built
 here with the public :func:`refkv.oracle.synthetic.replay` and
-:func:`refkv.oracle.vectors.encode_case` (the whole prompt one block, then one eviction).
+:func:`refkv.oracle.encode.encode_case` (the whole prompt one block, then one eviction).
 """
 
 import inspect
@@ -22,11 +22,12 @@ from hypothesis import strategies as st
 
 from refkv import policies
 from refkv.oracle.cases import compare_case
+from refkv.oracle.encode import encode_case, vectors_document
 from refkv.oracle.io import write_json
 from refkv.oracle.retention import compare_retention
 from refkv.oracle.synthetic import random_tokens, replay
 from refkv.oracle.tolerance import UNIT_ROUNDOFF, backward_error, reductions, score_tolerance
-from refkv.oracle.vectors import encode_case, json_params, read_vectors, vectors_document
+from refkv.oracle.vectors import json_params, read_vectors
 from refkv.policies.base import select
 from refkv.testing import load_cases, round_to
 

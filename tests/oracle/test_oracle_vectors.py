@@ -9,10 +9,10 @@ import pytest
 
 from refkv import policies
 from refkv.oracle import read_vectors
+from refkv.oracle.encode import boundary_gap, encode_case, kept_rows, vectors_document
 from refkv.oracle.io import dumps
 from refkv.oracle.suite import library_policies
 from refkv.oracle.synthetic import Tokens, random_tokens, replay
-from refkv.oracle.vectors import boundary_gap, encode_case, kept_rows, vectors_document
 from refkv.policies import Policy, View
 from refkv.testing import assert_case
 

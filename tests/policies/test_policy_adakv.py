@@ -246,7 +246,7 @@ def test_page_worked_example():
 # -- the golden format and the checker with uneven heads ------------------------------------------
 def uneven_case(seed=0, **spec):
     """An encoded block-mode AdaKV case whose heads keep different counts (empty slots among the candidates)."""
-    from refkv.oracle.vectors import encode_case
+    from refkv.oracle.encode import encode_case
 
     policy = get("adakv", **(spec or {"base": "snapkv", "base_params": {"window": 2, "kernel": 3}}))
     for s in range(seed, seed + 50):
@@ -259,8 +259,9 @@ def uneven_case(seed=0, **spec):
 
 
 def test_uneven_case_round_trip_through_a_file(tmp_path):
+    from refkv.oracle.encode import vectors_document
     from refkv.oracle.io import write_json
-    from refkv.oracle.vectors import read_vectors, vectors_document
+    from refkv.oracle.vectors import read_vectors
 
     policy, view, case = uneven_case()
     assert case["layer_total"] == sum(case["head_budgets"]) == view.keep * view.n_kv_heads
@@ -295,8 +296,9 @@ def test_uneven_case_rebuilds_each_heads_block():
 def test_uneven_case_file_is_validated(tmp_path):
     import copy
 
+    from refkv.oracle.encode import vectors_document
     from refkv.oracle.io import write_json
-    from refkv.oracle.vectors import read_vectors, vectors_document
+    from refkv.oracle.vectors import read_vectors
 
     _, _, case = uneven_case()
     bad_total = copy.deepcopy(dict(case))
@@ -375,7 +377,7 @@ def test_compare_uneven_accepts_a_move_between_heads_only_within_tolerance():
 
 def test_an_even_reference_refuses_an_uneven_candidate():
     from refkv.oracle.cases import compare_case
-    from refkv.oracle.vectors import encode_case
+    from refkv.oracle.encode import encode_case
 
     policy = get("tova")
     view = replay(policy, random_tokens(np.random.default_rng(0), 4, 2, 4, 12), budget=5)
