@@ -14,6 +14,8 @@ every comparison here is **paired**:
   discordant prompts (A right and B wrong, or the reverse).
 * **Output error over prompts** (:func:`paired_mean_difference`): Student's t interval of
   the mean paired difference.
+* **Summary rows** (:func:`mean_std`): mean, sample standard deviation and count of the
+  cells of a table row, NaN left out.
 
 The registered design (``docs/guide/registration.rst``) takes prompts and texts as its
 units and adds what its rule needs: Newcombe's paired interval for passkey accuracy
@@ -42,6 +44,7 @@ __all__ = [
     "excluded_effects",
     "holm",
     "mcnemar_exact",
+    "mean_std",
     "newcombe_paired_difference",
     "paired_mean_difference",
     "paired_proportion_difference",
@@ -387,3 +390,13 @@ def excluded_effects(interval: Interval, effects: dict[str, float]) -> str:
     if inside:
         parts.append("consistent with " + ", ".join(inside))
     return "; ".join(parts) if parts else "no reference effect given"
+
+
+def mean_std(values) -> tuple[float, float, int]:
+    """Mean, sample standard deviation (0 for one value) and count, ignoring NaN."""
+    arr = np.asarray([v for v in values if v is not None], dtype=np.float64)
+    arr = arr[~np.isnan(arr)]
+    if arr.size == 0:
+        return float("nan"), float("nan"), 0
+    std = float(arr.std(ddof=1)) if arr.size > 1 else 0.0
+    return float(arr.mean()), std, int(arr.size)
