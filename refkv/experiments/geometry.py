@@ -56,7 +56,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import pearsonr, spearmanr
 
 from ..policies.spec import canonical_spec
 from .attention_loss import OUTPUT_PROMPTS, registered_prompts
@@ -67,7 +66,7 @@ from .models import load_model
 from .perplexity import TEXT_LENGTH
 from .prefill import prefill_or_skip
 from .settings import Settings
-from .stats import mean_std, paired_mean_difference
+from .stats import mean_std, paired_mean_difference, scipy_stats
 from .tables import write_csv
 from .text import cell_tokens
 
@@ -141,7 +140,7 @@ def hamming_correlation(q: np.ndarray, k: np.ndarray, weights: np.ndarray, n_bit
         for j in range(g):
             a = weights[h, j][rows, cols].astype(np.float64)
             s = -distance[h, j][rows, cols]
-            out.append(float(pearsonr(a, s)[0]) if np.ptp(s) > 0 and np.ptp(a) > 0 else float("nan"))
+            out.append(float(scipy_stats().pearsonr(a, s)[0]) if np.ptp(s) > 0 and np.ptp(a) > 0 else float("nan"))
     return np.asarray(out)
 
 
@@ -154,7 +153,7 @@ def _received_visible(weights_kv: np.ndarray) -> np.ndarray:
 def _spearman(x: np.ndarray, y: np.ndarray) -> float:
     if np.ptp(x) == 0 or np.ptp(y) == 0:
         return float("nan")
-    return float(spearmanr(x, y)[0])
+    return float(scipy_stats().spearmanr(x, y)[0])
 
 
 def top_share(score: np.ndarray, received: np.ndarray, count: int) -> float:
