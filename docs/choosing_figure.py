@@ -30,7 +30,7 @@ import itertools
 import sys
 from pathlib import Path
 
-from refkv.experiments.common import write_csv as experiments_csv
+from refkv.experiments.tables import write_csv as experiments_csv
 from refkv.files import atomic_write
 
 HERE = Path(__file__).resolve().parent

@@ -42,7 +42,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from refkv.experiments.common import write_csv as experiments_csv
+from refkv.experiments.tables import write_csv as experiments_csv
 
 HERE = Path(__file__).resolve().parent
 EXPERIMENTS = HERE / "_static" / "experiments"

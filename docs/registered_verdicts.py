@@ -36,7 +36,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from refkv.experiments.common import write_csv
+from refkv.experiments.records import read_records
 from refkv.experiments.registered import (
     UNIT_COLUMNS,
     attention_loss_comparisons,
@@ -48,7 +48,7 @@ from refkv.experiments.registered import (
     unit_rows,
     verdict_rows,
 )
-from refkv.experiments.runner import read_records
+from refkv.experiments.tables import write_csv
 from refkv.files import atomic_write
 
 HERE = Path(__file__).resolve().parent

@@ -42,7 +42,10 @@ from pathlib import Path
 import numpy as np
 
 from refkv.experiments import haystack
-from refkv.experiments.common import load_model, prefill_or_skip, prose_tail, write_csv
+from refkv.experiments.models import load_model
+from refkv.experiments.prefill import prefill_or_skip
+from refkv.experiments.tables import write_csv
+from refkv.experiments.text import prose_tail
 
 OUT = Path(__file__).resolve().parent / "_static" / "experiments" / "snapkv_passkey.csv"
 RESTORE_OUT = OUT.with_name("snapkv_passkey_restore.csv")

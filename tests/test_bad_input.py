@@ -29,7 +29,8 @@ from refkv.attention import attend
 from refkv.cli import main
 from refkv.engine import Engine
 from refkv.experiments import runner
-from refkv.experiments.runner import Settings, append_record, cut_partial_tail, read_records
+from refkv.experiments.records import append_record, cut_partial_tail, read_records
+from refkv.experiments.settings import Settings
 from refkv.model import builtin_model
 from refkv.policies.keydiff import KeyDiff, anchor_scores, pairwise_scores
 
@@ -86,12 +87,12 @@ def test_attack_13_03_plots_written_atomically(tmp_path, monkeypatch):
     assert sorted(p.name for p in folder.iterdir()) == ["p.png", "p.svg"]
 
     # The CSV tables: killed just before the new file replaces the old one.
-    from refkv.experiments import common
+    from refkv.experiments import tables
 
-    table = common.write_csv(folder / "t.csv", [{"a": 1}])
+    table = tables.write_csv(folder / "t.csv", [{"a": 1}])
     monkeypatch.setattr(files.os, "replace", lambda *args: (_ for _ in ()).throw(Killed()))
     with pytest.raises(Killed):
-        common.write_csv(table, [{"a": 2}] * 1000)
+        tables.write_csv(table, [{"a": 2}] * 1000)
     assert table.read_text() == "a\n1\n"
     assert sorted(p.name for p in folder.iterdir()) == ["p.png", "p.svg", "t.csv"]
 
@@ -116,7 +117,7 @@ def test_atomic_plots_are_complete_and_readable(tmp_path):
 _SLOW_EXPERIMENT = '''
 import os, time
 from pathlib import Path
-from refkv.experiments import runner
+from refkv.experiments import design, registry
 
 MARKERS = Path(__file__).with_name("started")
 
@@ -128,7 +129,7 @@ def run(params):
     time.sleep(120)
     return {}
 
-SLOW = runner.register_experiment(runner.Experiment(
+SLOW = registry.register_experiment(design.Experiment(
     name="slowpoke", title="sleeps", cells=cells, run=run, summarise=lambda r, f, s: []))
 '''
 
@@ -566,7 +567,7 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("refkv.experiments.runner.run", interrupted)
+    monkeypatch.setattr("refkv.experiments.cli.run", interrupted)
     out = tmp_path / "res"
     assert main(["experiment", "passkey", "--quick", "--model", "tiny", "--out", str(out)]) == 130
     err = capsys.readouterr().err

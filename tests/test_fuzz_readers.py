@@ -283,7 +283,7 @@ RECORD = {"experiment": "perplexity", "key": '{"i":0}', "params": {"i": 0}, "res
                       | st.binary(max_size=40) | st.sampled_from([b"[" * 5000, b'{"key": "k", "result": NaN}']),
                       max_size=5), newline=st.booleans())
 def test_fuzz_results_jsonl(tmp_path_factory, lines, newline):
-    from refkv.experiments.runner import cut_partial_tail, read_records
+    from refkv.experiments.records import cut_partial_tail, read_records
 
     path = tmp_path_factory.mktemp("r") / "fuzzed.jsonl"
     path.write_bytes(b"\n".join(lines) + (b"\n" if newline else b""))

@@ -21,6 +21,8 @@ import pytest
 
 from refkv.cli import main
 from refkv.experiments import runner
+from refkv.experiments.records import append_record, cell_key, read_records
+from refkv.experiments.settings import Settings
 from refkv.files import load_json, parse_json, read_regular
 from refkv.model import load, random_weights
 from refkv.model.safetensors_dir import CheckpointError, read_safetensors
@@ -217,7 +219,7 @@ def test_attack_26_16_huge_prompts_are_refused_before_any_work(capsys, tmp_path)
     code, text = _cli(capsys, "generate", "x" * 100_000, "--model", "tiny", "--raw", "--max-new-tokens", "1")
     _clear(code, text, "100000 tokens", "context of")
     assert time.perf_counter() - start < 20
-    from refkv.experiments.common import prefill_or_skip
+    from refkv.experiments.prefill import prefill_or_skip
 
     model = load("tiny", dtype="float32")
     too_long = model.config.max_positions + 1
@@ -489,11 +491,11 @@ def test_attack_26_18_deeply_nested_json_is_refused(tmp_path, weights):
     with pytest.raises(CheckpointError, match="the header: JSON nested deeper"):
         read_safetensors(_header_file(tmp_path / "deep.safetensors", b'{"a": ' + DEEP + b"}", b""))
     path = tmp_path / "r.jsonl"
-    runner.append_record(path, {"key": "a", "params": {}, "result": {"v": 1}})
+    append_record(path, {"key": "a", "params": {}, "result": {"v": 1}})
     with open(path, "ab") as f:
         f.write(b'{"key": "b", "result": ' + DEEP + b"}\n")
     with pytest.warns(UserWarning, match=r"r\.jsonl:2: skipping an unreadable record .*nested deeper"):
-        records = runner.read_records(path)
+        records = read_records(path)
     assert [r["key"] for r in records] == ["a"]
     with pytest.raises(ValueError, match="nested deeper than the 3 levels"):
         parse_json(b"[[[[1]]]]", "x", max_depth=3)
@@ -508,12 +510,12 @@ def test_attack_26_18_deeply_nested_json_is_refused(tmp_path, weights):
 ])
 def test_attack_26_21_bad_records_are_skipped_naming_file_and_line(tmp_path, line, reason):
     path = tmp_path / "r.jsonl"
-    runner.append_record(path, {"key": "a", "params": {}, "result": {"v": 1}})
+    append_record(path, {"key": "a", "params": {}, "result": {"v": 1}})
     with open(path, "ab") as f:
         f.write(line + b"\n")
     with pytest.warns(UserWarning, match=rf"r\.jsonl:2: skipping an unreadable record .*{re.escape(reason)}.*runs "
                                          rf"again"):
-        records = runner.read_records(path)
+        records = read_records(path)
     assert [r["key"] for r in records] == ["a"]
 
 
@@ -522,13 +524,13 @@ def test_attack_26_21_resume_reruns_the_bad_cell(tmp_path):
 
     out = tmp_path / "out"
     out.mkdir()
-    good = runner.cell_key({"i": 0})
+    good = cell_key({"i": 0})
     (out / "toy26.jsonl").write_text(
         json.dumps({"key": good, "params": {"i": 0}, "result": {"value": 0}}) + "\n"
-        + json.dumps({"key": runner.cell_key({"i": 1}), "params": {"i": 1}, "result": "garbage"}) + "\n")
+        + json.dumps({"key": cell_key({"i": 1}), "params": {"i": 1}, "result": "garbage"}) + "\n")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        records = runner.run(_toy(), runner.Settings(quick=True), out=out, stream=open(os.devnull, "w"))
+        records = runner.run(_toy(), Settings(quick=True), out=out, stream=open(os.devnull, "w"))
     assert [r["result"] for r in records["toy26"]] == [{"value": 0}, {"value": 1}]
 
 

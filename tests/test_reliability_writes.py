@@ -15,8 +15,9 @@ import shutil
 import pytest
 
 from refkv.cli import main
-from refkv.experiments import runner
-from refkv.experiments.runner import Experiment, Settings
+from refkv.experiments import records, registry, runner
+from refkv.experiments.design import Experiment
+from refkv.experiments.settings import Settings
 from refkv.oracle import suite as suite_module
 from refkv.oracle.io import read_json, write_json
 from refkv.oracle.suite import STAGING, generate_suite, read_suite
@@ -32,7 +33,7 @@ def _run(capsys, *argv):
 
 def _toy(name="toy26"):
     """A two-cell experiment that costs nothing (the writer is under attack, not the model)."""
-    return runner.register_experiment(Experiment(name=name, title="toy", cells=_toy_cells, run=_toy_cell,
+    return registry.register_experiment(Experiment(name=name, title="toy", cells=_toy_cells, run=_toy_cell,
                                                  summarise=lambda records, folder, settings: []))
 
 
@@ -94,7 +95,7 @@ def test_attack_26_02_records_are_appended_without_following_a_symlink(tmp_path)
     victim.write_text("")
     (out / "toy26.jsonl").symlink_to(victim)
     with pytest.raises(OSError):  # O_NOFOLLOW: a symlink planted between the check and the write
-        runner.append_record(out / "toy26.jsonl", {"key": "k"})
+        records.append_record(out / "toy26.jsonl", {"key": "k"})
     assert victim.read_text() == ""
 
 

@@ -89,31 +89,25 @@ import numpy as np
 
 from ..attention import attend
 from ..policies import View
-from .common import (
-    FAST_CAOTE,
-    cached_capture,
-    canonical_spec,
-    cell_tokens,
-    configuration,
-    default_policies,
-    format_spec_label,
-    grid_axes,
-    layer_attention,
-    load_model,
-    make_policy,
-    mean_std,
-    policy_cells,
-    policy_error,
-    prefill_or_skip,
-    prose_tokens,
-    write_csv,
-)
+from ..policies.spec import canonical_spec, make_policy
+from .captures import cached_capture, layer_attention
+from .design import Experiment, Option
+from .grids import FAST_CAOTE, configuration, default_policies, format_spec_label, grid_axes, policy_cells
+from .models import load_model
+from .perplexity import TEXT_LENGTH, registered_texts
 from .plots import _none_last
-from .runner import Experiment, Settings, register_experiment, sample_size
-from .stats import paired_mean_difference
+from .prefill import policy_error, prefill_or_skip
+from .settings import Settings
+from .stats import mean_std, paired_mean_difference
+from .tables import write_csv
+from .text import cell_tokens, prose_tokens
 
-__all__ = ["EXPERIMENT", "alr", "attention_received", "drop_order", "lsh_mean_distance", "one_shot_view",
-           "output_error"]
+__all__ = ["EXPERIMENT", "OUTPUT_PROMPTS", "alr", "attention_received", "drop_order", "lsh_mean_distance",
+           "one_shot_view", "output_error"]
+
+#: Prompts of the output-error and attention-loss cells (and, given or with the full grid,
+#: of geometry's Fig. 2 cosine cells).
+OUTPUT_PROMPTS = Option("output_prompts", "prompts of the output-error and attention-loss cells", sizes=(1, 2, 10))
 
 # -- the quantities ------------------------------------------------------------------------
 def attention_received(weights: np.ndarray) -> np.ndarray:
@@ -267,12 +261,10 @@ REGISTERED_PROMPT_TOKENS = 512
 def registered_prompts(settings: Settings, length: int = REGISTERED_PROMPT_TOKENS) -> list[dict]:
     """The registered prompts' cell fields: the first ``length`` tokens of each of the 16
     perplexity verdict texts (:func:`refkv.experiments.perplexity.registered_texts`)."""
-    from .perplexity import registered_texts
-
     if settings.policies is not None or settings.budgets is not None or settings.blocks is not None:
         raise ValueError("policies, budgets and blocks are fixed by the registered design: give --registered "
                          "without them")
-    text_length = settings.text_length or 1024
+    text_length = TEXT_LENGTH.given(settings) or 1024
     return [{"model": settings.resolved_model(), "dtype": settings.dtype, "seed": settings.seed,
              "design": "registered", "text": source, "segment": segment, "text_length": text_length,
              "length": min(length, text_length)} for source, segment in registered_texts("verdict")]
@@ -306,8 +298,8 @@ def cells(settings: Settings) -> list[dict]:
             err_length, budgets = 512, [128]
     policies, budgets, blocks = grid_axes(settings, policies, budgets, blocks)
     base = {"model": model, "dtype": settings.dtype, "seed": settings.seed}
-    prompts = sample_size(settings, "output_prompts")
-    if settings.full or settings.output_prompts is not None:
+    prompts = OUTPUT_PROMPTS.value(settings)
+    if settings.full or OUTPUT_PROMPTS.given(settings) is not None:
         segments = tuple(range(prompts))
     out = []
     for segment in segments:
@@ -541,7 +533,8 @@ def _label(name: str) -> str:
     return fixed[name] if name in fixed else format_spec_label(name)
 
 
-EXPERIMENT = register_experiment(Experiment(
+EXPERIMENT = Experiment(
     name="attention_loss",
     title="attention loss ratio of rankings (HashEvict App. D) and output error per layer (CAOTE Fig. 3)",
-    cells=cells, run=run_cell, summarise=summarise, cost=cost))
+    cells=cells, run=run_cell, summarise=summarise, cost=cost, options=(OUTPUT_PROMPTS, TEXT_LENGTH),
+    table=("output_error.csv", ("label", "budget", "block", "mean_error", "mean_lost_attention")))

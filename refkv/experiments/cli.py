@@ -5,11 +5,19 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from pathlib import Path
 
-__all__ = ["SUMMARY_TABLES", "add_experiment_command", "summary_table"]
+from ..files import atomic_write
+from ..threads import ThreadChoice, blas_threads, check_threads, choose_threads
+from ..validation import check_int
+from .cluster import check_scheduler, dask_executor
+from .models import load_model
+from .registry import EXPERIMENTS, experiment_options, get_experiment, suite
+from .runner import plan, run
+from .settings import Settings, check_policy_specs
+from .tables import format_table
 
-#: Experiment names the command accepts (``all`` runs every one).
-NAMES = ("passkey", "perplexity", "attention_loss", "geometry", "all")
+__all__ = ["add_experiment_command", "summary_table"]
 
 
 def _optional_int(text: str, option: str):
@@ -30,19 +38,14 @@ def add_experiment_command(sub) -> None:
     p = sub.add_parser("experiment", help="run the small CPU experiments that re-test the papers' claims",
                        description="Run (or resume) an experiment grid; results are appended to "
                                    "OUT/NAME.jsonl, tables and plots go to OUT/NAME/.")
-    p.add_argument("name", choices=NAMES, help="experiment to run, or 'all'")
+    p.add_argument("name", choices=[*(e.name for e in EXPERIMENTS), "all"], help="experiment to run, or 'all'")
     p.add_argument("--quick", action="store_true", help="the tiny grid (a minute or two)")
     p.add_argument("--full", action="store_true",
                    help="the powered grid (>= 8 texts of 1,024 tokens, 50 passkey prompts at 1K/2K/4K, 10 "
                         "output-error prompts): many core-hours, see --dry-run; use --jobs or --scheduler")
-    p.add_argument("--texts", type=int, default=None, metavar="N", help="perplexity texts per cell")
-    p.add_argument("--text-length", type=int, default=None, metavar="T", help="tokens per perplexity text")
-    p.add_argument("--passkey-prompts", type=int, default=None, metavar="N",
-                   help="passkey prompts per cell (spread over the needle depths)")
-    p.add_argument("--passkey-lengths", type=int, nargs="+", default=None, metavar="T",
-                   help="passkey prompt lengths in tokens")
-    p.add_argument("--output-prompts", type=int, default=None, metavar="N",
-                   help="prompts of the output-error and attention-loss cells")
+    for option in experiment_options():  # each experiment's own settings, as it declares them
+        p.add_argument(option.flag, type=int, nargs="+" if option.many else None, default=None,
+                       metavar=option.metavar, help=option.help)
     p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     p.add_argument("--scheduler", default=None, metavar="ADDRESS",
                    help="run the cells on a Dask cluster: a scheduler address (tcp://HOST:8786) or 'local' "
@@ -71,17 +74,11 @@ def add_experiment_command(sub) -> None:
 
 
 def _cmd_experiment(args) -> int:
-    from ..threads import blas_threads, check_threads
-    from ..validation import check_int
-    from .runner import Settings, check_policy_specs, experiment_names, get_experiment, plan, run
-
     check_int("--jobs", args.jobs, 1)
     check_int("--seed", args.seed, 0)
     if args.threads is not None:
         check_threads("--threads", args.threads)
     if args.scheduler is not None:
-        from .cluster import check_scheduler
-
         check_scheduler(args.scheduler)
     if args.policies:
         check_policy_specs(args.policies, "--policies")  # every spec, before any cell runs
@@ -90,12 +87,9 @@ def _cmd_experiment(args) -> int:
         policies=tuple(args.policies) if args.policies else None,
         budgets=tuple(_optional_int(b, "--budgets") for b in args.budgets) if args.budgets else None,
         blocks=tuple(_optional_int(b, "--blocks") for b in args.blocks) if args.blocks else None,
-        seed=args.seed, full=args.full, texts=args.texts, text_length=args.text_length,
-        passkey_prompts=args.passkey_prompts,
-        passkey_lengths=tuple(args.passkey_lengths) if args.passkey_lengths else None,
-        output_prompts=args.output_prompts, registered=args.registered)
-    names = experiment_names() if args.name == "all" else [args.name]
-    experiments = [get_experiment(n) for n in names]
+        seed=args.seed, full=args.full, registered=args.registered,
+        options={o.name: getattr(args, o.name) for o in experiment_options() if getattr(args, o.name) is not None})
+    experiments = suite() if args.name == "all" else [get_experiment(args.name)]
     if args.dry_run:
         tasks, done = plan(experiments, settings, args.out)
         for task in tasks:
@@ -113,8 +107,6 @@ def _cmd_experiment(args) -> int:
     with contextlib.ExitStack() as stack:
         executor = None
         if args.scheduler is not None:
-            from .cluster import dask_executor
-
             executor = stack.enter_context(dask_executor(args.scheduler, n_workers=args.jobs))
         stack.enter_context(blas_threads(choice.n if args.jobs == 1 and executor is None else 1))
         try:
@@ -141,8 +133,6 @@ def _cmd_experiment(args) -> int:
 
 def _threads(args, settings, tasks):
     """The BLAS threads: ``--threads``, one per worker with ``--jobs > 1``, else measured on the grid's model."""
-    from ..threads import ThreadChoice, choose_threads
-
     if args.threads is not None or args.jobs > 1 or args.scheduler is not None or not tasks:
         if args.threads is not None:
             return choose_threads(None, requested=args.threads)
@@ -150,64 +140,24 @@ def _threads(args, settings, tasks):
             return ThreadChoice(1, "nothing to run")
         return ThreadChoice(1, "one per worker, " + (f"Dask scheduler {args.scheduler}" if args.scheduler
                                                       else f"--jobs {args.jobs}"))
-    from .common import load_model
-
     name = settings.resolved_model()
     print(f"loading {name} ...", file=sys.stderr, flush=True)
     model, _ = load_model(name, args.dtype)  # cached: the cells reuse it
     return choose_threads(model.config)
 
 
-#: The main table of each experiment's summary and the columns the end-of-run table shows.
-SUMMARY_TABLES = {
-    "passkey": ("accuracy.csv", ["policy", "budget", "block", "accuracy", "needle_retention", "n"]),
-    "perplexity": ("ppl.csv", ["label", "budget", "block", "ppl", "delta_ppl"]),
-    "attention_loss": ("output_error.csv", ["label", "budget", "block", "mean_error", "mean_lost_attention"]),
-    "geometry": ("log_volume.csv", ["label", "budget", "block", "log_volume_mean", "kept_mean_cosine"]),
-}
-
-
-def _rounded(text: str) -> str:
-    try:
-        value = float(text)
-    except ValueError:
-        return text
-    if value == int(value) and abs(value) < 1e6 and "." not in text:
-        return text
-    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-
-
 def summary_table(name: str, out) -> str | None:
     """The experiment's main results as an aligned text table (3 significant digits), or None.
 
-    Reads the CSV its summary wrote (``OUT/NAME/<table>.csv``); None when there is none
-    (``--no-summary``).
+    Reads the CSV its summary wrote (the :attr:`~refkv.experiments.design.Experiment.table`
+    it declares, under ``OUT/NAME/``); None when there is none (``--no-summary``).
     """
-    import csv
-    from pathlib import Path
-
-    file, wanted = SUMMARY_TABLES.get(name, (None, None))
-    path = Path(out) / name / (file or "")
-    if file is None or not path.is_file():
-        return None
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        return None
-    columns = [c for c in wanted if c in rows[0]]
-    cells = [columns] + [[_rounded(row.get(c) or "-") for c in columns] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return f"{path}:\n" + "\n".join("  " + line for line in lines)
+    table = get_experiment(name).table
+    return None if table is None else format_table(Path(out) / name / table[0], table[1])
 
 
 def _publish(out, target, names) -> None:
     """Copy the CSV tables and PNG/SVG plots of ``names`` from ``out`` to ``target`` (atomically per file)."""
-    from pathlib import Path
-
-    from ..files import atomic_write
-
     for name in names:
         source, dest = Path(out) / name, Path(target) / name
         dest.mkdir(parents=True, exist_ok=True)

@@ -56,23 +56,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import pearsonr, spearmanr
 
-from .common import (
-    cached_capture,
-    canonical_spec,
-    cell_tokens,
-    default_policies,
-    grid_axes,
-    layer_attention,
-    load_model,
-    mean_std,
-    policy_cells,
-    prefill_or_skip,
-    write_csv,
-)
-from .runner import Experiment, Settings, register_experiment, sample_size
-from .stats import paired_mean_difference
+from ..policies.spec import canonical_spec
+from .attention_loss import OUTPUT_PROMPTS, registered_prompts
+from .captures import cached_capture, layer_attention
+from .design import Experiment
+from .grids import configuration, default_policies, format_spec_label, grid_axes, policy_cells
+from .models import load_model
+from .perplexity import TEXT_LENGTH
+from .prefill import prefill_or_skip
+from .settings import Settings
+from .stats import mean_std, paired_mean_difference, scipy_stats
+from .tables import write_csv
+from .text import cell_tokens
 
 __all__ = ["EXPERIMENT", "common_query_statistics", "hamming_correlation", "log_volume", "mean_pairwise_cosine",
            "pca_2d", "top_share"]
@@ -144,7 +140,7 @@ def hamming_correlation(q: np.ndarray, k: np.ndarray, weights: np.ndarray, n_bit
         for j in range(g):
             a = weights[h, j][rows, cols].astype(np.float64)
             s = -distance[h, j][rows, cols]
-            out.append(float(pearsonr(a, s)[0]) if np.ptp(s) > 0 and np.ptp(a) > 0 else float("nan"))
+            out.append(float(scipy_stats().pearsonr(a, s)[0]) if np.ptp(s) > 0 and np.ptp(a) > 0 else float("nan"))
     return np.asarray(out)
 
 
@@ -157,7 +153,7 @@ def _received_visible(weights_kv: np.ndarray) -> np.ndarray:
 def _spearman(x: np.ndarray, y: np.ndarray) -> float:
     if np.ptp(x) == 0 or np.ptp(y) == 0:
         return float("nan")
-    return float(spearmanr(x, y)[0])
+    return float(scipy_stats().spearmanr(x, y)[0])
 
 
 def top_share(score: np.ndarray, received: np.ndarray, count: int) -> float:
@@ -228,13 +224,11 @@ def registered_cells(settings: Settings) -> list[dict]:
     grid). On the whole 1,024-token texts: ``retention`` cells of
     :data:`REGISTERED_RETENTION_POLICIES` at ``N = 256``, ``B = 128`` (G2).
     """
-    from .attention_loss import registered_prompts
-
     out = []
     for prompt in registered_prompts(settings):
         out.append({**prompt, "kind": "cosine"})
         out.append({**prompt, "kind": "hamming", "bits": list(REGISTERED_BITS), "projections": 4})
-    for prompt in registered_prompts(settings, settings.text_length or 1024):
+    for prompt in registered_prompts(settings, TEXT_LENGTH.given(settings) or 1024):
         out += [{**prompt, "kind": "retention", "policy": canonical_spec(policy), "budget": 256, "block": 128}
                 for policy in REGISTERED_RETENTION_POLICIES]
     return out
@@ -257,8 +251,8 @@ def cells(settings: Settings) -> list[dict]:
         if not real:
             ret_length, budgets = 512, [128]
     policies, budgets, blocks = grid_axes(settings, policies, budgets, blocks)
-    if settings.full or settings.output_prompts is not None:  # the powered grid: Fig. 2 on 10 prompts
-        segments = tuple(range(sample_size(settings, "output_prompts")))
+    if settings.full or OUTPUT_PROMPTS.given(settings) is not None:  # the powered grid: Fig. 2 on 10 prompts
+        segments = tuple(range(OUTPUT_PROMPTS.value(settings)))
     out = []
     for segment in segments:
         out.append({**base, "kind": "cosine", "length": dense_length, "segment": segment})
@@ -355,7 +349,6 @@ def _run_hamming(params: dict) -> dict:
 def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Path]:
     """``cosine.csv``, ``log_volume.csv``, ``hamming.csv`` and the Fig. 2 / 4 / 5 pictures."""
     from . import plots
-    from .common import configuration, format_spec_label
 
     written = []
     cos = [r for r in records if r["params"]["kind"] == "cosine"]
@@ -439,7 +432,8 @@ def common_query_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
-EXPERIMENT = register_experiment(Experiment(
+EXPERIMENT = Experiment(
     name="geometry",
     title="key geometry: cosine vs attention, PCA and log-volume of kept keys, LSH vs attention correlation",
-    cells=cells, run=run_cell, summarise=summarise, cost=cost))
+    cells=cells, run=run_cell, summarise=summarise, cost=cost, options=(OUTPUT_PROMPTS, TEXT_LENGTH),
+    table=("log_volume.csv", ("label", "budget", "block", "log_volume_mean", "kept_mean_cosine")))

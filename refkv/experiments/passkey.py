@@ -50,23 +50,27 @@ import numpy as np
 
 from ..engine import Engine
 from ..policies.keydiff import anchor_scores
+from ..policies.spec import canonical_spec
 from ..validation import check_float, check_int
 from . import haystack
-from .common import (
-    COMPARABLE_BASELINES,
-    canonical_spec,
-    configuration,
-    default_policies,
-    load_model,
-    mean_std,
-    prefill_or_skip,
-    prose_tail,
-    write_csv,
-)
-from .runner import Experiment, Settings, register_experiment, sample_size
-from .stats import mcnemar_exact, paired_proportion_difference, wilson_interval
+from .design import Experiment, Option
+from .grids import COMPARABLE_BASELINES, configuration, default_policies
+from .models import load_model
+from .prefill import prefill_or_skip
+from .settings import MAX_TOKENS, Settings
+from .stats import mcnemar_exact, mean_std, paired_proportion_difference, wilson_interval
+from .tables import write_csv
+from .text import prose_tail
 
-__all__ = ["EXPERIMENT", "build_prompt", "cells", "run_cell", "summarise"]
+__all__ = ["EXPERIMENT", "PASSKEY_LENGTHS", "PASSKEY_PROMPTS", "build_prompt", "cells", "run_cell", "summarise"]
+
+#: Prompts per cell, spread evenly over the needle depths (rounded up to a multiple of their number).
+PASSKEY_PROMPTS = Option("passkey_prompts", "passkey prompts per cell (spread over the needle depths)",
+                         sizes=(1, 5, 50))
+#: Prompt lengths in tokens (the tiny model's default grid halves them: its context is 2,048).
+PASSKEY_LENGTHS = Option("passkey_lengths", "passkey prompt lengths in tokens",
+                         sizes=((512,), (1024, 2048), (1024, 2048, 4096)), low=64, high=MAX_TOKENS, metavar="T",
+                         many=True)
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.")
@@ -189,17 +193,18 @@ def registered_cells(settings: Settings) -> list[dict]:
     :data:`REGISTERED_POLICIES` at ``N = L / 8`` in blocks of ``min(128, N)`` and one-shot.
     """
     model = settings.resolved_model()
-    prompts = settings.passkey_prompts or 60
+    prompts = PASSKEY_PROMPTS.given(settings) or 60
+    lengths = PASSKEY_LENGTHS.given(settings)
     common = {"model": model, "dtype": settings.dtype, "seed": settings.seed, "design": "registered",
               "max_new_tokens": 8}
-    if settings.passkey_lengths is None:
+    if lengths is None:
         return [{**common, "purpose": "calibration", "length": length, "sample": sample, "policy": "full",
                  "budget": None, "block": 128}
                 for length in haystack.CALIBRATION_LENGTHS for sample in range(prompts)]
-    if len(settings.passkey_lengths) != 1:
+    if len(lengths) != 1:
         raise ValueError(f"passkey_lengths must hold the one calibrated length for the registered test grid, "
-                         f"got {list(settings.passkey_lengths)}")
-    length = settings.passkey_lengths[0]
+                         f"got {list(lengths)}")
+    length = lengths[0]
     budget = length // 8
     block = min(128, budget)
     out = []
@@ -224,14 +229,15 @@ def cells(settings: Settings) -> list[dict]:
         budgets, blocks = ([128] if real else [64]), ([128] if real else [32])
     else:
         # Prompts per cell spread over the needle depths: 5 -> one per depth, 50 -> ten.
-        lengths, depths = (sample_size(settings, "passkey_lengths") if real else (512, 1024)), DEPTHS
-        samples = -(-sample_size(settings, "passkey_prompts") // len(DEPTHS))
+        lengths, depths = (PASSKEY_LENGTHS.value(settings) if real else (512, 1024)), DEPTHS
+        samples = -(-PASSKEY_PROMPTS.value(settings) // len(DEPTHS))
         policies = default_policies(("caote:base=h2o", *PASSKEY_BASELINES), caote=False)
         budgets, blocks = [256], [128, None]
-    if settings.passkey_lengths is not None:
-        lengths = settings.passkey_lengths
-    if settings.quick and settings.passkey_prompts is not None:
-        depths, samples = DEPTHS, -(-settings.passkey_prompts // len(DEPTHS))
+    given_lengths, given_prompts = PASSKEY_LENGTHS.given(settings), PASSKEY_PROMPTS.given(settings)
+    if given_lengths is not None:
+        lengths = given_lengths
+    if settings.quick and given_prompts is not None:
+        depths, samples = DEPTHS, -(-given_prompts // len(DEPTHS))
     trimmed = not (settings.quick or settings.full or settings.policies or settings.blocks)
     one_shot = {canonical_spec(p) for p in ONE_SHOT_POLICIES}
     policies = [canonical_spec(p) for p in (settings.policies or policies)]
@@ -425,7 +431,8 @@ def paired_comparisons(records: list[dict]) -> list[dict]:
     return rows
 
 
-EXPERIMENT = register_experiment(Experiment(
+EXPERIMENT = Experiment(
     name="passkey",
     title="needle in a haystack: exact-match accuracy by length x depth (KeyDiff Fig. 6)",
-    cells=cells, run=run_cell, summarise=summarise, cost=cost))
+    cells=cells, run=run_cell, summarise=summarise, cost=cost, options=(PASSKEY_PROMPTS, PASSKEY_LENGTHS),
+    table=("accuracy.csv", ("policy", "budget", "block", "accuracy", "needle_retention", "n")))

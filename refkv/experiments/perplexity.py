@@ -2,7 +2,7 @@
 
 Each text (1,024-token segments taken in turn from two offline sources, CPython's
 ``pydoc_data.topics`` prose and the shipped King James narrative chapters, see
-:func:`refkv.experiments.common.text_source`) streams through the engine in blocks of
+:func:`refkv.experiments.text.text_source`) streams through the engine in blocks of
 ``B`` tokens under budget ``N``; each block's logits are read *before* the block's own
 eviction, so every token is predicted from the cache that eviction left it (plus the
 earlier tokens of its own block). Perplexity is ``exp`` of the mean negative
@@ -28,7 +28,7 @@ Notes
   paired with the dense run of the same text (at ``B = 32``: without a budget the block
   size changes only rounding).
 * **Comparable baselines.** Beside each policy's default the grid runs
-  :data:`~refkv.experiments.common.COMPARABLE_BASELINES` and MAT's beta x L_s grid; the
+  :data:`~refkv.experiments.grids.COMPARABLE_BASELINES` and MAT's beta x L_s grid; the
   ``configuration`` column spells out every parameter and ``best_of_grid`` marks MAT's
   best cell per budget and block (MAT Sec. 5.1 reports its best beta).
 * **Intervals.** ``gap``: the pooled gap (the perplexity of all texts' tokens together
@@ -53,31 +53,36 @@ from pathlib import Path
 import numpy as np
 
 from ..model.config import TINY
-from .common import (
+from ..policies.spec import canonical_spec, make_policy, parse_spec
+from .design import Experiment, Option
+from .grids import (
     COMPARABLE_BASELINES,
     FAST_CAOTE,
     best_of_grid,
-    canonical_spec,
     configuration,
     default_policies,
     equal_memory_budget,
     format_spec_label,
     grid_axes,
-    load_model,
-    make_policy,
     mat_grid,
-    mean_std,
-    parse_spec,
-    prefill_or_skip,
-    prose_tokens,
-    text_source,
-    write_csv,
 )
+from .models import load_model
 from .plots import _none_last
-from .runner import Experiment, Settings, register_experiment, sample_size
-from .stats import perplexity_gap
+from .prefill import prefill_or_skip
+from .settings import MAX_TOKENS, Settings
+from .stats import mean_std, perplexity_gap
+from .tables import write_csv
+from .text import prose_tokens, text_source
 
-__all__ = ["EXPERIMENT", "cells", "paired_gaps", "run_cell", "summarise", "supported_digits", "token_nll"]
+__all__ = ["EXPERIMENT", "TEXTS", "TEXT_LENGTH", "cells", "paired_gaps", "run_cell", "summarise", "supported_digits",
+           "token_nll"]
+
+#: Perplexity texts (non-overlapping prose segments) per cell.
+TEXTS = Option("texts", "perplexity texts per cell", sizes=(1, 2, 8))
+#: Tokens per perplexity text (the tiny model's default grid uses 512, its quick grid 192);
+#: the registered design's attention-loss and geometry prompts are the starts of such texts.
+TEXT_LENGTH = Option("text_length", "tokens per perplexity text", sizes=(256, 1024, 1024), low=2, high=MAX_TOKENS,
+                     metavar="T")
 
 #: Policies the default grid also runs token by token (B = 1): MAT vs sink, HashEvict vs L2.
 TOKEN_BY_TOKEN = ("sink", "mat", "hashevict", "knorm")
@@ -118,13 +123,13 @@ def registered_cells(settings: Settings) -> list[dict]:
 
     Without ``policies``: the full cache and :data:`REGISTERED_BLOCKED` at ``N = 128``,
     ``B = 32`` on the 16 verdict texts, :data:`REGISTERED_TOKEN_BY_TOKEN` at ``B = 1`` on
-    them, and MAT's grid (:func:`~refkv.experiments.common.mat_grid`) at ``N = 128``,
+    them, and MAT's grid (:func:`~refkv.experiments.grids.mat_grid`) at ``N = 128``,
     ``B = 32`` on the 4 selection texts with their full-cache references. With
     ``policies`` = the one MAT spec chosen on the selection texts: that spec at ``B = 1``
     on the verdict texts (claim M1).
     """
     model = settings.resolved_model()
-    length = settings.text_length or 1024
+    length = TEXT_LENGTH.given(settings) or 1024
     n_layers = TINY.n_layers if model == "tiny" else None
 
     def cell(text, policy, budget, block):
@@ -155,10 +160,10 @@ def cells(settings: Settings) -> list[dict]:
     """The grid: text segments x (dense + policies x budgets x block sizes).
 
     The default (and ``full``) grid adds, beside each policy's default configuration, the
-    comparable baselines of :data:`~refkv.experiments.common.COMPARABLE_BASELINES`, MAT's
-    grid over beta x L_s (:func:`~refkv.experiments.common.mat_grid`), every policy that
+    comparable baselines of :data:`~refkv.experiments.grids.COMPARABLE_BASELINES`, MAT's
+    grid over beta x L_s (:func:`~refkv.experiments.grids.mat_grid`), every policy that
     evicts after attention also at budget ``N - B`` (equal peak memory with the evict-before
-    policies at ``N``, :func:`~refkv.experiments.common.equal_memory_budget`), and the
+    policies at ``N``, :func:`~refkv.experiments.grids.equal_memory_budget`), and the
     token-by-token (``B = 1``) cells of :data:`TOKEN_BY_TOKEN` on every text.
     ``registered``: :func:`registered_cells`.
     """
@@ -166,10 +171,10 @@ def cells(settings: Settings) -> list[dict]:
         return registered_cells(settings)
     model = settings.resolved_model()
     real = model != "tiny"
-    texts = sample_size(settings, "texts")
-    length = settings.text_length or (sample_size(settings, "text_length") if real or settings.quick else 512)
+    texts = TEXTS.value(settings)
+    length = TEXT_LENGTH.given(settings) or (TEXT_LENGTH.value(settings) if real or settings.quick else 512)
     if settings.quick:
-        length = settings.text_length or (256 if real else 192)
+        length = TEXT_LENGTH.given(settings) or (256 if real else 192)
         policies, budgets, blocks_ = ["sink", "keydiff"], ([64] if real else [48]), [16]
     else:
         policies, budgets, blocks_ = default_policies((*FAST_CAOTE, *COMPARABLE_BASELINES)), [128, 256], [32]
@@ -302,7 +307,7 @@ def paired_gaps(records: list[dict]) -> list[dict]:
     """``ppl(A) - ppl(B)`` with its 95% paired block-bootstrap interval, for every pair of
     policies at the same budget and block on the texts both ran (``comparison`` = "same
     budget"), and for every evict-before policy at ``N`` against every evict-after policy at
-    ``N - B`` (``"equal peak memory"``, see :func:`~refkv.experiments.common.equal_memory_budget`)."""
+    ``N - B`` (``"equal peak memory"``, see :func:`~refkv.experiments.grids.equal_memory_budget`)."""
     nll: dict[tuple, dict[int, list]] = {}
     for r in records:
         p, res = r["params"], r["result"]
@@ -348,10 +353,11 @@ def supported_digits(width: float) -> int:
     return max(0, min(4, 1 - math.floor(math.log10(width))))
 
 
-EXPERIMENT = register_experiment(Experiment(
+EXPERIMENT = Experiment(
     name="perplexity",
     title="perplexity of English prose under eviction, gap to no eviction (CAOTE Table 4, MAT Table 3)",
-    cells=cells, run=run_cell, summarise=summarise, cost=cost))
+    cells=cells, run=run_cell, summarise=summarise, cost=cost, options=(TEXTS, TEXT_LENGTH),
+    table=("ppl.csv", ("label", "budget", "block", "ppl", "delta_ppl")))
 
 
 def _text(params: dict) -> tuple[str, int]:

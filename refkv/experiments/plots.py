@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from ..files import atomic_write
+from ..policies.spec import parse_spec
+from .grids import format_spec_label
 
 __all__ = ["alr_lines", "available", "cosine_picture", "log_volume_boxes", "output_error_lines", "passkey_heatmaps",
            "pca_scatter", "perplexity_bars"]
@@ -81,8 +83,6 @@ def passkey_heatmaps(records: list[dict], folder: Path) -> list[Path]:
     if not available() or not records:
         return []
     plt = _pyplot()
-    from .common import format_spec_label
-
     ceiling = [r for r in records if r["params"]["policy"] == "full"]
     evicting = [r for r in records if r["params"]["policy"] != "full"]
     settings = sorted({(r["params"]["budget"], r["params"]["block"]) for r in evicting},
@@ -179,8 +179,6 @@ def output_error_lines(curves: dict, folder: Path) -> list[Path]:
     if not available() or not curves:
         return []
     plt = _pyplot()
-    from .common import format_spec_label, parse_spec
-
     settings = {(n, b) for (_, n, b) in curves}
     suffix = "" if len(settings) > 1 else " (N={}, B={})".format(*next(iter(settings)))
 
@@ -225,8 +223,6 @@ def alr_lines(by_layer: dict, folder: Path) -> list[Path]:
     if not available() or not by_layer:
         return []
     plt = _pyplot()
-    from .common import format_spec_label
-
     # HashEvict's comparison (L2, its App. D ranking, the policy) and a few others; the CSV has all.
     shown = [n for n in ("l2", "lsh", "hashevict", "keydiff", "tova", "snapkv", "scissorhands") if n in by_layer]
     fig, ax = plt.subplots(figsize=(6.0, 3.2))

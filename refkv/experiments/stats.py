@@ -14,6 +14,8 @@ every comparison here is **paired**:
   discordant prompts (A right and B wrong, or the reverse).
 * **Output error over prompts** (:func:`paired_mean_difference`): Student's t interval of
   the mean paired difference.
+* **Summary rows** (:func:`mean_std`): mean, sample standard deviation and count of the
+  cells of a table row, NaN left out.
 
 The registered design (``docs/guide/registration.rst``) takes prompts and texts as its
 units and adds what its rule needs: Newcombe's paired interval for passkey accuracy
@@ -33,7 +35,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats as _stats
 
 from ..validation import check_float, check_int
 
@@ -42,6 +43,7 @@ __all__ = [
     "excluded_effects",
     "holm",
     "mcnemar_exact",
+    "mean_std",
     "newcombe_paired_difference",
     "paired_mean_difference",
     "paired_proportion_difference",
@@ -50,6 +52,19 @@ __all__ = [
     "text_perplexities",
     "wilson_interval",
 ]
+
+
+
+def scipy_stats():
+    """:mod:`scipy.stats`, imported on first use.
+
+    It takes about as long to import as the rest of refkv, and every ``refkv`` command
+    imports this module: the command line lists the experiments' own options, so it
+    imports the experiment modules, which import this one. Only a summary needs it.
+    """
+    import scipy.stats
+
+    return scipy.stats
 
 
 @dataclass(frozen=True)
@@ -106,7 +121,7 @@ def wilson_interval(successes: int, n: int, *, confidence: float = 0.95) -> Inte
     n = check_int("n", n, 1)
     successes = check_int("successes", successes, 0, n)
     confidence = _check_confidence(confidence)
-    z = _stats.norm.ppf(0.5 + confidence / 2)
+    z = scipy_stats().norm.ppf(0.5 + confidence / 2)
     p = successes / n
     centre = p + z * z / (2 * n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
@@ -144,7 +159,7 @@ def mcnemar_exact(a_correct, b_correct) -> tuple[int, int, float]:
     c = int(np.sum(~a & b_arr))
     if b + c == 0:
         return b, c, 1.0
-    p = min(1.0, 2.0 * _stats.binom.cdf(min(b, c), b + c, 0.5))
+    p = min(1.0, 2.0 * scipy_stats().binom.cdf(min(b, c), b + c, 0.5))
     return b, c, float(p)
 
 
@@ -196,7 +211,7 @@ def paired_mean_difference(a, b, *, confidence: float = 0.95) -> Interval:
     n = d.size
     mean = d.mean()
     se = d.std(ddof=1) / math.sqrt(n)
-    t = _stats.t.ppf(0.5 + confidence / 2, df=n - 1)
+    t = scipy_stats().t.ppf(0.5 + confidence / 2, df=n - 1)
     return Interval(float(mean), float(mean - t * se), float(mean + t * se), confidence, n, "prompts",
                     "paired t")
 
@@ -213,7 +228,7 @@ def paired_t_test(a, b, *, confidence: float = 0.95) -> tuple[Interval, float]:
     se = d.std(ddof=1) / math.sqrt(d.size)
     if se == 0:
         return interval, 1.0 if d.mean() == 0 else 0.0
-    p = 2 * _stats.t.sf(abs(d.mean()) / se, df=d.size - 1)
+    p = 2 * scipy_stats().t.sf(abs(d.mean()) / se, df=d.size - 1)
     return interval, float(p)
 
 
@@ -387,3 +402,13 @@ def excluded_effects(interval: Interval, effects: dict[str, float]) -> str:
     if inside:
         parts.append("consistent with " + ", ".join(inside))
     return "; ".join(parts) if parts else "no reference effect given"
+
+
+def mean_std(values) -> tuple[float, float, int]:
+    """Mean, sample standard deviation (0 for one value) and count, ignoring NaN."""
+    arr = np.asarray([v for v in values if v is not None], dtype=np.float64)
+    arr = arr[~np.isnan(arr)]
+    if arr.size == 0:
+        return float("nan"), float("nan"), 0
+    std = float(arr.std(ddof=1)) if arr.size > 1 else 0.0
+    return float(arr.mean()), std, int(arr.size)

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from refkv.experiments import haystack, passkey
-from refkv.experiments.common import load_model, prose_tail
-from refkv.experiments.runner import Settings
+from refkv.experiments.models import load_model
+from refkv.experiments.settings import Settings
+from refkv.experiments.text import prose_tail
 
 
 def test_draws_are_reproducible_and_calibration_never_shares_a_test_prompt():
@@ -46,13 +47,13 @@ def test_the_registered_grid():
     calibration = passkey.cells(Settings(model="tiny", registered=True))
     assert len(calibration) == 60 * len(haystack.CALIBRATION_LENGTHS)
     assert {c["policy"] for c in calibration} == {"full"} and {c["purpose"] for c in calibration} == {"calibration"}
-    grid = passkey.cells(Settings(model="tiny", registered=True, passkey_lengths=(1024,)))
+    grid = passkey.cells(Settings(model="tiny", registered=True, options={"passkey_lengths": (1024,)}))
     assert len(grid) == 60 * (1 + 2 * len(passkey.REGISTERED_POLICIES))
     assert {(c["budget"], c["block"]) for c in grid if c["policy"] != "full"} == {(128, 128), (128, None)}
-    small = passkey.cells(Settings(model="tiny", registered=True, passkey_lengths=(512,)))
+    small = passkey.cells(Settings(model="tiny", registered=True, options={"passkey_lengths": (512,)}))
     assert {(c["budget"], c["block"]) for c in small if c["policy"] != "full"} == {(64, 64), (64, None)}
     with pytest.raises(ValueError, match="one calibrated length"):
-        passkey.cells(Settings(model="tiny", registered=True, passkey_lengths=(512, 1024)))
+        passkey.cells(Settings(model="tiny", registered=True, options={"passkey_lengths": (512, 1024)}))
     with pytest.raises(ValueError, match="registered"):
         Settings(registered=True, quick=True)
 

@@ -19,7 +19,7 @@ from refkv.experiments.registered import (
     unit_rows,
     verdict_rows,
 )
-from refkv.experiments.runner import Settings
+from refkv.experiments.settings import Settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REGISTRATION = json.loads((ROOT / "docs" / "experiment_registration.json").read_text(encoding="utf-8"))
@@ -57,7 +57,7 @@ def test_the_registered_grids_refuse_other_axes(experiment):
 
 
 def test_a_registered_prompt_is_the_start_of_its_perplexity_text():
-    from refkv.experiments.common import cell_tokens, prose_tokens
+    from refkv.experiments.text import cell_tokens, prose_tokens
 
     params = {"model": "tiny", "dtype": "float32", "length": 40, "text_length": 100, "segment": 2,
               "text": "kjv_narrative"}
@@ -76,7 +76,7 @@ def test_registered_cells_run_into_the_registered_comparisons(tmp_path):
     """On the tiny model with 48-token texts (prompts of 48 tokens, N = 24), every cell
     runs and the records become A1's two, G1's one, S1's one and G2's four comparisons on
     all 16 prompts, which the registered rule turns into verdict rows."""
-    settings = Settings(registered=True, model="tiny", text_length=48)
+    settings = Settings(registered=True, model="tiny", options={"text_length": 48})
     steps = [c for c in attention_loss.cells(settings)]
     assert {(c["length"], c["budget"]) for c in steps} == {(48, 24)}
     records = _run(attention_loss, settings)
@@ -170,7 +170,7 @@ def test_the_published_verdicts_follow_from_the_published_units(tmp_path):
     committed per-unit table (both written by docs/registered_verdicts.py from the records)."""
     import csv
 
-    from refkv.experiments.common import write_csv
+    from refkv.experiments.tables import write_csv
 
     folder = ROOT / "docs" / "_static" / "experiments" / "registered"
     if not (folder / "units.csv").exists():
@@ -207,7 +207,7 @@ def test_the_verdict_block_shows_every_registered_column(tmp_path):
     """From a verdict table: one plain-words line per registered claim (the ones not run
     say so) and one table row per comparison with its hypothesis, n in prompts or texts,
     estimate, interval, Holm-adjusted p, paper effect, larger/smaller/consistent and verdict."""
-    from refkv.experiments.common import write_csv
+    from refkv.experiments.tables import write_csv
 
     module = _verdicts_script()
     rng = np.random.default_rng(3)
@@ -232,7 +232,7 @@ def test_the_verdict_block_shows_every_registered_column(tmp_path):
 
 
 def test_the_run_block_reads_calibration_choices_and_cost(tmp_path):
-    from refkv.experiments.common import write_csv
+    from refkv.experiments.tables import write_csv
 
     module = _verdicts_script()
     write_csv(tmp_path / "calibration.csv", [{"length": 512, "correct": 60, "prompts": 60, "chosen": False},

@@ -21,7 +21,8 @@ def _script():
 
 
 def test_put_back_restores_the_lost_digits_with_their_dense_vectors():
-    from refkv.experiments.common import load_model, prefill_or_skip
+    from refkv.experiments.models import load_model
+    from refkv.experiments.prefill import prefill_or_skip
 
     script = _script()
     model, _ = load_model("tiny", "float32")

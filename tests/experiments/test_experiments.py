@@ -8,16 +8,14 @@ from scipy.special import log_softmax
 from scipy.special import softmax as sp_softmax
 
 from refkv.experiments import attention_loss, geometry, passkey, perplexity
-from refkv.experiments.common import (
-    LayerCapture,
-    canonical_spec,
-    dense_capture,
-    format_spec_label,
-    parse_spec,
-    policy_error,
-)
+from refkv.experiments.captures import LayerCapture, dense_capture
+from refkv.experiments.grids import format_spec_label
+from refkv.experiments.prefill import policy_error
+from refkv.experiments.registry import check_options
+from refkv.experiments.text import prose_tokens
 from refkv.lsh import gaussian_planes, hamming_unpacked, simhash
 from refkv.model.tokenizer import ByteTokenizer
+from refkv.policies.spec import canonical_spec, parse_spec
 
 # -- policy specs --------------------------------------------------------------------------
 
@@ -68,10 +66,10 @@ def test_token_nll_is_minus_log_softmax(n, vocab, seed):
 
 
 def test_perplexity_cell_without_eviction_is_the_oracle_perplexity(tiny64, monkeypatch):
-    from refkv.experiments import common
+    from refkv.experiments import models
 
     tokens = np.arange(5, 70) % tiny64.config.vocab_size
-    monkeypatch.setattr(common, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
+    monkeypatch.setattr(models, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
     monkeypatch.setattr(perplexity, "prose_tokens", lambda *args: tokens)
     params = {"model": "tiny", "dtype": "float64", "seed": 0, "text": "pydoc_prose", "length": len(tokens),
               "segment": 0, "block": 16}
@@ -171,9 +169,9 @@ def test_output_error_zero_when_nothing_is_evicted_and_by_hand_otherwise(rng):
 
 
 def test_alr_cell_on_tiny(tiny64, monkeypatch):
-    from refkv.experiments import common
+    from refkv.experiments import models
 
-    monkeypatch.setattr(common, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
+    monkeypatch.setattr(models, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
     params = {"model": "tiny", "dtype": "float64", "seed": 0, "kind": "alr", "length": 64, "segment": 0,
               "lsh_bits": 16, "rankings": ["l2", "lsh", "h2o", "sink", "hashevict"]}
     result = attention_loss.run_cell(params)
@@ -213,17 +211,17 @@ def test_attended_sets_follow_the_engine_mode(tiny64):
 
 def test_step_loss_cell_on_tiny(tiny64, monkeypatch):
     from refkv.attention import attention_weights
-    from refkv.experiments import common
+    from refkv.experiments import models
 
-    monkeypatch.setattr(common, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
+    monkeypatch.setattr(models, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
     params = {"model": "tiny", "dtype": "float64", "seed": 0, "kind": "step_loss", "length": 48, "segment": 0,
               "policy": "sink", "budget": 24, "block": 1}
     result = attention_loss.run_cell(params)
     assert result["steps"] == 24 and len(result["loss_by_layer"]) == 4
     assert all(0 < x < 1 for x in result["loss_by_layer"])
     # Independently: sink's kept set is known in closed form; the loss from the dense capture.
-    tokens = common.prose_tokens("tiny", "float64", 48, 0)
-    captures, _ = common.dense_capture(tiny64, tokens)
+    tokens = prose_tokens("tiny", "float64", 48, 0)
+    captures, _ = dense_capture(tiny64, tokens)
     pos = np.arange(48)
     cap = captures[0]
     a = attention_weights(cap.q, cap.k, pos, np.broadcast_to(pos, (2, 48))).mean(axis=1)  # (Hkv, T, T)
@@ -337,9 +335,9 @@ def test_hamming_correlation_matches_a_direct_computation(rng):
 
 
 def test_geometry_cells_on_tiny(tiny64, monkeypatch):
-    from refkv.experiments import common
+    from refkv.experiments import models
 
-    monkeypatch.setattr(common, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
+    monkeypatch.setattr(models, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
     base = {"model": "tiny", "dtype": "float64", "seed": 0, "segment": 0}
     cos = geometry.run_cell({**base, "kind": "cosine", "length": 80})
     assert np.asarray(cos["spearman_pairwise"]).shape == (4, 2)
@@ -389,9 +387,9 @@ def test_passkey_key_depends_on_the_prompt_not_the_policy():
 
 
 def test_passkey_cell_reports_retention_and_skips_what_cannot_run(tiny64, monkeypatch):
-    from refkv.experiments import common
+    from refkv.experiments import models
 
-    monkeypatch.setattr(common, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
+    monkeypatch.setattr(models, "_MODELS", {("tiny", "float64"): (tiny64, ByteTokenizer(512))})
     params = {"model": "tiny", "dtype": "float64", "seed": 0, "template": "raw", "filler": "repeat", "needle": "short",
               "max_new_tokens": 4, "length": 400, "depth": 0.5, "sample": 0}
     full = passkey.run_cell({**params, "policy": "full", "budget": None, "block": 64})
@@ -405,9 +403,9 @@ def test_passkey_cell_reports_retention_and_skips_what_cannot_run(tiny64, monkey
 @pytest.mark.slow
 def test_smollm2_retrieves_the_key_without_eviction(smollm2, smollm2_tokenizer, monkeypatch):
     """The ceiling is not zero: with no eviction the 135M model reads the key back (quick grid's prompt)."""
-    from refkv.experiments import common
+    from refkv.experiments import models
 
-    monkeypatch.setattr(common, "_MODELS", {("smollm2", "float32"): (smollm2, smollm2_tokenizer)})
+    monkeypatch.setattr(models, "_MODELS", {("smollm2", "float32"): (smollm2, smollm2_tokenizer)})
     ceiling = passkey.cells(passkey.Settings(quick=True, model="smollm2"))[0]
     assert ceiling["policy"] == "full" and ceiling["budget"] is None
     result = passkey.run_cell(ceiling)
@@ -419,7 +417,7 @@ def test_smollm2_retrieves_the_key_without_eviction(smollm2, smollm2_tokenizer, 
 
 
 def test_perplexity_grid_adds_token_by_token_cells_only_to_the_default_grid():
-    from refkv.experiments.runner import Settings
+    from refkv.experiments.settings import Settings
 
     default = perplexity.cells(Settings(model="tiny"))
     by_token = [c for c in default if c["block"] == 1]
@@ -437,8 +435,8 @@ def policy_name(spec):
 
 
 def test_default_perplexity_grid_holds_the_comparable_baselines():
-    from refkv.experiments.common import COMPARABLE_BASELINES, canonical_spec
-    from refkv.experiments.runner import Settings
+    from refkv.experiments.grids import COMPARABLE_BASELINES
+    from refkv.experiments.settings import Settings
 
     default = perplexity.cells(Settings(model="tiny"))
     at = {(c["policy"], c["budget"], c["block"]) for c in default}
@@ -460,7 +458,7 @@ def test_default_perplexity_grid_holds_the_comparable_baselines():
 
 
 def test_full_grid_sample_sizes():
-    from refkv.experiments.runner import Settings
+    from refkv.experiments.settings import Settings
 
     full = Settings(model="smollm2", full=True)
     ppl = perplexity.cells(full)
@@ -476,14 +474,17 @@ def test_full_grid_sample_sizes():
     assert len([c for c in attention_loss.cells(full) if c["kind"] == "alr"]) == 10
     assert {c["segment"] for c in geometry.cells(full) if c["kind"] == "cosine"} == set(range(10))
     # Settings override a grid's sample size; quick and full exclude each other.
-    three = {(c["text"], c["segment"]) for c in perplexity.cells(Settings(model="tiny", texts=3))}
+    three = {(c["text"], c["segment"]) for c in perplexity.cells(Settings(model="tiny", options={"texts": 3}))}
     assert three == {("pydoc_prose", 0), ("kjv_narrative", 0), ("pydoc_prose", 1)}
     with pytest.raises(ValueError, match="exclusive"):
         Settings(quick=True, full=True)
-    with pytest.raises(ValueError, match="texts"):
-        Settings(texts=0)
-    with pytest.raises(ValueError, match="passkey_lengths"):
-        Settings(passkey_lengths=(8,))
+    # An experiment's own settings are checked by the option that declares them, before any grid is listed.
+    with pytest.raises(ValueError, match=r"texts must be an integer in \[1, 10000\]"):
+        check_options(Settings(options={"texts": 0}))
+    with pytest.raises(ValueError, match=r"passkey_lengths must be an integer in \[64, "):
+        passkey.cells(Settings(model="tiny", options={"passkey_lengths": (8,)}))
+    with pytest.raises(ValueError, match="no experiment has the option 'textz'"):
+        check_options(Settings(options={"textz": 3}))
 
 
 
@@ -491,7 +492,7 @@ def test_full_grid_sample_sizes():
 # -- comparable baselines and interval summaries (issue 16) -------------------------------
 def test_equal_memory_budget_matches_the_evict_before_peak(tiny64):
     from refkv.engine import Engine
-    from refkv.experiments.common import equal_memory_budget
+    from refkv.experiments.grids import equal_memory_budget
     from refkv.policies import get
 
     assert equal_memory_budget("keydiff", 128, 32) == 96
@@ -510,7 +511,7 @@ def test_equal_memory_budget_matches_the_evict_before_peak(tiny64):
 
 
 def test_configuration_spells_out_defaults():
-    from refkv.experiments.common import configuration
+    from refkv.experiments.grids import configuration
 
     assert configuration("h2o") == "recent=None"
     assert configuration("h2o:recent=0") == "recent=0"
@@ -519,7 +520,7 @@ def test_configuration_spells_out_defaults():
 
 
 def test_mat_grid_and_best_of_grid():
-    from refkv.experiments.common import best_of_grid, mat_grid
+    from refkv.experiments.grids import best_of_grid, mat_grid
 
     assert mat_grid(32, 30) == [f"mat:beta={b},shallow_layers={s}" for b in (8, 16) for s in (0, 2, 10)]
     assert mat_grid(128, 4) == [f"mat:beta={b},shallow_layers={s}" for b in (8, 16, 32, 48, 64) for s in (0, 2)]
@@ -594,7 +595,7 @@ def test_perplexity_pairs_keep_the_two_sources_apart(rng):
 
 
 def test_prose_sources_are_distinct_offline_and_long_enough(smollm2_tokenizer):
-    from refkv.experiments.common import text_source
+    from refkv.experiments.text import text_source
     from refkv.model.sample_text import PROSE_SOURCES, narrative_prose, prose
 
     assert [text_source(i) for i in range(4)] == [("pydoc_prose", 0), ("kjv_narrative", 0),
@@ -611,7 +612,7 @@ def test_prose_sources_are_distinct_offline_and_long_enough(smollm2_tokenizer):
 
 
 def test_default_passkey_grid_runs_one_shot_only_for_the_one_shot_claim():
-    from refkv.experiments.runner import Settings
+    from refkv.experiments.settings import Settings
 
     default = passkey.cells(Settings(model="smollm2"))
     one_shot = {c["policy"] for c in default if c["block"] is None and c["policy"] != "full"}

@@ -8,16 +8,12 @@ import numpy as np
 import pytest
 
 from refkv.cli import main
-from refkv.experiments import runner
-from refkv.experiments.runner import (
-    Experiment,
-    Progress,
-    Settings,
-    append_record,
-    cell_key,
-    cut_partial_tail,
-    read_records,
-)
+from refkv.experiments import registry, runner
+from refkv.experiments.design import Experiment
+from refkv.experiments.progress import Progress
+from refkv.experiments.records import append_record, cell_key, cut_partial_tail, read_records
+from refkv.experiments.settings import Settings
+from refkv.experiments.tables import write_csv
 
 CALLS: list[int] = []
 
@@ -36,15 +32,13 @@ def _toy_run(params):
 
 
 def _toy_summary(records, folder, settings):
-    from refkv.experiments.common import write_csv
-
     return [write_csv(folder / "toy.csv", [{"x": r["params"]["x"], **r["result"]} for r in records])]
 
 
 FAIL_AT: dict = {}
 TOY = Experiment(name="toy", title="toy", cells=_toy_cells, run=_toy_run, summarise=_toy_summary,
                  cost=lambda p: 1.0 + p["x"])
-runner.register_experiment(TOY)
+registry.register_experiment(TOY)
 
 
 @pytest.fixture(autouse=True)
@@ -144,7 +138,7 @@ def test_cell_key_is_canonical():
 
 
 def test_parallel_jobs_give_the_same_records_as_serial(tmp_path):
-    from refkv.experiments import get_experiment
+    from refkv.experiments.registry import get_experiment
 
     experiments = [get_experiment("passkey"), get_experiment("perplexity")]
     settings = Settings(quick=True, model="tiny", dtype="float64")
@@ -254,7 +248,8 @@ def test_results_page_commands_and_files_exist():
 
 def test_summaries_write_tables_without_matplotlib(tmp_path, monkeypatch):
     """Plots are optional (the ``plot`` extra): without matplotlib the CSV tables are still written."""
-    from refkv.experiments import get_experiment, plots
+    from refkv.experiments import plots
+    from refkv.experiments.registry import get_experiment
 
     monkeypatch.setattr(plots, "available", lambda: False)
     runner.run(get_experiment("perplexity"), Settings(quick=True, model="tiny"), out=tmp_path, stream=io.StringIO())
@@ -267,8 +262,8 @@ def test_dask_local_cluster_gives_the_same_records_as_serial(tmp_path):
     """The quick grid (tiny model) on a Dask LocalCluster: the same records as a serial run,
     byte for byte in everything but the timings, host facts and finishing times."""
     pytest.importorskip("distributed", reason="Dask sweeps need the sweeps extra")
-    from refkv.experiments import get_experiment
     from refkv.experiments.cluster import dask_executor
+    from refkv.experiments.registry import get_experiment
 
     experiments = [get_experiment("passkey"), get_experiment("perplexity")]
     settings = Settings(quick=True, model="tiny", dtype="float64")
