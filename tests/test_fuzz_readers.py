@@ -259,7 +259,7 @@ def test_fuzz_end_to_end_manifests(tmp_path_factory, data):
 @FUZZ
 @given(data=st.data())
 def test_fuzz_suite_manifest(tmp_path_factory, data):
-    from refkv.oracle.suite import _old_index, read_suite
+    from refkv.oracle.suiteindex import existing_index, read_suite
 
     index = json.loads((GOLDEN / "suite.json").read_text())
     index["files"] = index["files"][:3]
@@ -269,7 +269,7 @@ def test_fuzz_suite_manifest(tmp_path_factory, data):
     folder = tmp_path_factory.mktemp("suite")
     (folder / "suite.json").write_text(json.dumps(tampered))
     _outcome(lambda: read_suite(folder, verify=False), "suite.json")
-    _outcome(lambda: _old_index(folder, {"sink"}), "suite.json", str(folder))
+    _outcome(lambda: existing_index(folder, {"sink"}), "suite.json", str(folder))
     assert sorted(p.name for p in folder.iterdir()) == ["suite.json"]  # a reader writes nothing
 
 

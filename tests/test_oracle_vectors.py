@@ -10,7 +10,7 @@ import pytest
 from refkv import policies
 from refkv.oracle import read_vectors
 from refkv.oracle.io import dumps
-from refkv.oracle.suite import library_policies
+from refkv.oracle.recipes import library_policies
 from refkv.oracle.synthetic import Tokens, random_tokens, replay
 from refkv.oracle.vectors import boundary_gap, encode_case, kept_rows, vectors_document
 from refkv.policies import Policy, View

@@ -8,7 +8,10 @@
   :mod:`~refkv.oracle.tolerance`, :mod:`~refkv.oracle.declare`, :mod:`~refkv.oracle.retention`,
   :mod:`~refkv.oracle.cases`, :mod:`~refkv.oracle.walk`, :mod:`~refkv.oracle.checker`,
   :mod:`~refkv.oracle.report`, :mod:`~refkv.oracle.status`;
-* :mod:`refkv.oracle.suite` -- the suite ``refkv golden generate`` writes;
+* :mod:`refkv.oracle.recipes` -- what a suite holds; :mod:`refkv.oracle.goldens` builds one policy's goldens;
+* :mod:`refkv.oracle.generate` -- ``refkv golden generate``, published through :mod:`refkv.oracle.staging`;
+* :mod:`refkv.oracle.suiteindex` -- ``suite.json`` read back; :mod:`refkv.oracle.regenerate` -- what changed
+  between two generations;
 * :mod:`refkv.oracle.cli` -- the ``refkv golden`` command.
 
 The format is specified in ``docs/oracle/format.rst``; the assertions for other
@@ -17,8 +20,9 @@ projects' tests are in :mod:`refkv.testing`.
 
 from .compare import check_suite, compare_arrays, compare_retention
 from .endtoend import EndToEnd, read_end_to_end, run_end_to_end
+from .generate import generate_suite
 from .schema import SCHEMA_VERSION, SUPPORTED_VERSIONS
-from .suite import generate_suite, read_suite
+from .suiteindex import read_suite
 from .vectors import VectorCase, VectorFile, read_vectors
 
 __all__ = [

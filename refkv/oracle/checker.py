@@ -267,7 +267,7 @@ def check_suite(candidate_dir, reference_dir, *, policies: Sequence[str] | None 
     source : str
         Where ``dtype``/``declare`` came from, for the report ("command line").
     """
-    from .suite import read_suite
+    from .suiteindex import read_suite
 
     start = time.perf_counter()
     factor = check_float("tolerance_factor", tolerance_factor, 0.0, low_open=True)

@@ -58,7 +58,7 @@ WEIGHTS_RULE = ("refkv.model.random_weights(config, seed, dtype), config from re
 
 #: The models end-to-end goldens can run: name -> ``builder(seed, dtype) -> Model``. A tiny model
 #: of another architecture (RoPE scaling, biases, q/k norms) becomes a golden with one entry
-#: here; :data:`refkv.oracle.suite.E2E_MODELS` chooses which of them the suite holds.
+#: here; :data:`refkv.oracle.recipes.E2E_MODELS` chooses which of them the suite holds.
 MODELS: dict[str, Callable[[int, str], Model]] = {
     "tiny": lambda seed, dtype: builtin_model(seed=seed, dtype=dtype),
     # The architectures the papers and the backends use (refkv.model.families): Llama 3 RoPE
