@@ -22,7 +22,7 @@ array                 shape                           meaning
 
 The per-decision scores are what makes the comparison tie-aware end to end: where a
 candidate keeps another token than the reference, the two tokens' reference scores are at
-hand (see :mod:`refkv.oracle.compare`).
+hand (see :mod:`refkv.oracle.retention` and :mod:`refkv.oracle.walk`).
 """
 
 from __future__ import annotations

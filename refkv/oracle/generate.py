@@ -27,6 +27,7 @@ from ..model import load
 from .endtoend import MODELS, build_model, end_to_end_files, run_schedule_golden, write_end_to_end
 from .goldens import policy_end_to_end, policy_schedules, policy_vectors
 from .io import dumps, sha256
+from .kinds import BY_NAME, KINDS, LISTED
 from .recipes import DECODE_SEED, E2E_MODELS, MODEL_SEED, PROMPT_SEED, library_policies
 from .regenerate import REGENERATION_BOUND
 from .schema import SUITE_SCHEMA, header
@@ -46,7 +47,7 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
         replaced and every other policy's files are left untouched (their checksums must
         hold).
     policies : list of str, optional
-        Default: :func:`library_policies`, every policy refkv itself registers. An empty
+        Default: :func:`~refkv.oracle.recipes.library_policies`, every policy refkv itself registers. An empty
         list, an unknown name or a name given twice is a ValueError.
     progress : callable, optional
         Called with a line of text per policy.
@@ -77,7 +78,7 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
     recover(out)
     old = existing_index(out, set(names))
     for name in names:  # every new file's folder stays inside out (a symlinked e2e/<policy> is refused now)
-        for rel in (f"vectors/{name}.json", f"e2e/{name}/{name}.json"):
+        for rel in dict.fromkeys(kind.path(name) for kind in KINDS):
             safe_path(out, rel, f"generating {name} into {out}")
 
     files: dict[str, bytes] = {}
@@ -86,20 +87,22 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
         doc, skips = policy_vectors(name)
         skipped += skips
         if doc is not None:
-            rel = f"vectors/{name}.json"
+            kind = BY_NAME["vectors"]
+            rel = kind.path(name)
             files[rel] = dumps(doc).encode("utf-8")
-            entries.append({"path": rel, "kind": "vectors", "policy": name, "sha256": sha256(files[rel]),
+            entries.append({"path": rel, "kind": kind.listed_as, "policy": name, "sha256": sha256(files[rel]),
                             "cases": doc["number_of_cases"]})
         n_runs = 0
-        made = [policy_end_to_end(name, model) for model in E2E_MODELS] + [policy_schedules(name)]
-        for runs, skips in made:
+        made = [(BY_NAME["e2e"], policy_end_to_end(name, model)) for model in E2E_MODELS]
+        made.append((BY_NAME["schedule"], policy_schedules(name)))
+        for kind, (runs, skips) in made:
             skipped += skips
             n_runs += len(runs)
             for label, manifest, arrays in runs:
-                rel = f"e2e/{name}/{label}.json"
+                rel = kind.path(name, label)
                 manifest, text, data = end_to_end_files(label, manifest, arrays)
                 files[rel], files[rel[:-len(".json")] + ".npz"] = text, data
-                entries.append({"path": rel, "kind": "e2e", "policy": name, "mode": manifest["mode"],
+                entries.append({"path": rel, "kind": kind.listed_as, "policy": name, "mode": manifest["mode"],
                                 "dtype": manifest["dtype"], "sha256": sha256(text), "npz_sha256": sha256(data)})
         if progress is not None:
             n_cases = doc["number_of_cases"] if doc else 0
@@ -131,7 +134,7 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
                      "same machine"),
         },
         "policies": all_names,
-        "files": sorted(kept_entries + entries, key=lambda e: (rank[e["policy"]], e["kind"] != "vectors")),
+        "files": sorted(kept_entries + entries, key=lambda e: (rank[e["policy"]], LISTED.index(e["kind"]))),
         "skipped": sorted(kept_skips + skipped, key=lambda s: rank.get(s["policy"], len(rank))),
     }
     written = {e["path"] for e in entries}

@@ -90,7 +90,7 @@ def _synthetic_case(policy: Policy, recipe: Recipe, budget: int, rng: np.random.
     """A case from ``recipe`` at the smallest budget from ``budget`` on that the policy accepts.
 
     A policy may refuse a budget only at eviction time (a block that leaves too few places
-    for its protected tokens); the next larger budget of :data:`BUDGETS` is then tried.
+    for its protected tokens); the next larger budget of :data:`~refkv.oracle.recipes.BUDGETS` is then tried.
     """
     error = None
     for b in (n for n in BUDGETS if n >= budget):
@@ -205,10 +205,10 @@ def policy_vectors(name: str, *, seed: int = 0) -> tuple[dict | None, list[dict]
 def policy_end_to_end(name: str, model: str = "tiny") -> tuple[list[tuple[str, dict, dict]], list[dict]]:
     """``[(label, manifest, arrays)]`` of policy ``name`` (default parameters) and the skips.
 
-    Block mode: every setting of :data:`E2E_SETTINGS` the policy accepts, in float64, the
-    first of them in float32 too. One-shot: the first of :data:`ONESHOT_SETTINGS` the policy
+    Block mode: every setting of :data:`~refkv.oracle.recipes.E2E_SETTINGS` the policy accepts, in float64, the
+    first of them in float32 too. One-shot: the first of :data:`~refkv.oracle.recipes.ONESHOT_SETTINGS` the policy
     accepts, in float64 and float32 (none for policies that evict before attention). For a
-    model other than :data:`FULL_E2E_MODEL`, only the first block and the first one-shot
+    model other than :data:`~refkv.oracle.recipes.FULL_E2E_MODEL`, only the first block and the first one-shot
     setting it accepts, in float32.
     """
     out, skipped = [], []

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .io import read_json, read_npz
+from .kinds import kind_at
 
 __all__ = ["REGENERATION_BOUND", "Differences", "regeneration_differences"]
 
@@ -47,7 +48,8 @@ class Differences:
 
     @staticmethod
     def kind(where: str) -> str:
-        return "vectors" if where.startswith("vectors/") else "e2e"
+        """The kind (as listed: ``vectors``, ``e2e``) of the file ``where`` starts with."""
+        return kind_at(where).listed_as
 
     def largest(self, dtype: str, kind: str | None = None) -> float:
         return max((f[1] for f in self.floats if f[2] == dtype and kind in (None, self.kind(f[0]))), default=0.0)

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import os
 import posixpath
-import re
 import shutil
 from pathlib import Path
 
 from .io import atomic_write, dumps, read_json
+from .kinds import SUITE_LAYOUTS, SUITE_PATH
 from .schema import require
 
 __all__ = ["COMMITTED", "STAGING", "commit", "recover", "safe_path"]
 
 # -- paths inside the suite folder -----------------------------------------------------------------
-_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.+-]*"
-_SUITE_PATH = re.compile(rf"vectors/{_NAME}\.json|e2e/{_NAME}/{_NAME}\.json")
 #: The folder inside a suite where a generation stages its files.
 STAGING = ".refkv-generate"
 #: The commit record: once it exists in the staging folder, the new suite is complete there.
@@ -34,13 +32,13 @@ COMMITTED = "COMMITTED.json"
 def safe_path(root: Path, rel, where: str) -> str:
     """``rel`` if it names a suite file inside ``root``; otherwise a ValueError (nothing touched).
 
-    A suite file is ``vectors/<name>.json`` or ``e2e/<policy>/<name>.json``: relative,
+    A suite file lies where its kind's layout says (:data:`refkv.oracle.kinds.SUITE_PATH`): relative,
     already normalised (no ``..``, ``.``, empty parts or backslashes), and it must resolve
     inside ``root`` (a symlinked folder pointing out of the suite is refused too).
     """
-    if not isinstance(rel, str) or not _SUITE_PATH.fullmatch(rel) or posixpath.normpath(rel) != rel:
-        raise ValueError(f"{where}: path {rel!r} is not a suite file (vectors/<policy>.json or "
-                         f"e2e/<policy>/<name>.json inside the suite folder); refusing to touch it")
+    if not isinstance(rel, str) or not SUITE_PATH.fullmatch(rel) or posixpath.normpath(rel) != rel:
+        raise ValueError(f"{where}: path {rel!r} is not a suite file ({SUITE_LAYOUTS} inside the suite "
+                         f"folder); refusing to touch it")
     base = root.resolve()
     for target in (root / rel, (root / rel).with_suffix(".npz")):
         resolved = target.resolve()

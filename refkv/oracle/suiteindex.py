@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .io import read_json, sha256
+from .kinds import LISTED, family
 from .schema import SUITE_SCHEMA, check_header, require
 from .staging import COMMITTED, STAGING, safe_path
 
@@ -46,8 +47,9 @@ def read_suite(directory, *, verify: bool = True) -> dict:
     for i, entry in enumerate(require(index, "files", where)):
         for key in ("path", "kind", "policy", "sha256"):
             require(entry, key, f"{where}: files[{i}]")
-        if entry["kind"] not in ("vectors", "e2e"):
-            raise ValueError(f"{where}: files[{i}]: kind must be 'vectors' or 'e2e', got {entry['kind']!r}")
+        if entry["kind"] not in LISTED:
+            raise ValueError(f"{where}: files[{i}]: kind must be {' or '.join(map(repr, LISTED))}, got "
+                             f"{entry['kind']!r}")
         safe_path(directory, entry["path"], f"{where}: files[{i}]")
         if verify:
             file = directory / entry["path"]
@@ -68,7 +70,7 @@ def existing_index(out: Path, regenerated: set[str]) -> dict | None:
     """The existing ``suite.json`` of ``out``, every field the merge uses checked (None if there is none).
 
     Checked before anything is generated: ``policies`` a list of names, every entry an
-    object with a suite-file ``path``, a ``kind`` of ``vectors`` or ``e2e`` and a
+    object with a suite-file ``path``, a listed ``kind`` (``vectors``, ``e2e``) and a
     ``policy`` named in ``policies``, ``skipped`` a list. The files of the policies that
     are kept must match their checksums, the ``.npz`` of an end-to-end golden too: a merge
     never publishes a suite that fails them.
@@ -95,13 +97,13 @@ def existing_index(out: Path, regenerated: set[str]) -> dict | None:
         policy = require(entry, "policy", at)
         if not isinstance(policy, str) or policy not in policies:
             raise ValueError(f"{at}: policy {policy!r:.80} is not one of the suite's policies")
-        if entry.get("kind") not in ("vectors", "e2e"):
-            raise ValueError(f"{at}: kind must be 'vectors' or 'e2e', got {entry.get('kind')!r:.80}")
+        if entry.get("kind") not in LISTED:
+            raise ValueError(f"{at}: kind must be {' or '.join(map(repr, LISTED))}, got {entry.get('kind')!r:.80}")
     for entry in files:
         if entry["policy"] in regenerated:
             continue
         checked = [(out / entry["path"], entry.get("sha256"))]
-        if entry["kind"] == "e2e":
+        if family(entry["kind"])[0].npz:
             checked.append(((out / entry["path"]).with_suffix(".npz"), entry.get("npz_sha256")))
         for file, digest in checked:
             if not file.is_file() or sha256(file.read_bytes()) != digest:
