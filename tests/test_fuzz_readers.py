@@ -226,7 +226,7 @@ def vectors_doc() -> dict:
 @FUZZ
 @given(data=st.data())
 def test_fuzz_candidate_files(tmp_path_factory, vectors_doc, data):
-    from refkv.oracle.checker import check_vector_file
+    from refkv.oracle.vectorcheck import check_vector_file
 
     candidate = data.draw(mutated(vectors_doc, [p for p in _paths(vectors_doc) if "inputs" not in p]))
     folder = tmp_path_factory.mktemp("v")
@@ -242,7 +242,7 @@ def test_fuzz_candidate_files(tmp_path_factory, vectors_doc, data):
 def test_fuzz_end_to_end_manifests(tmp_path_factory, data):
     import shutil
 
-    from refkv.oracle.checker import check_end_to_end_file
+    from refkv.oracle.e2echeck import check_end_to_end_file
 
     stem = "e2e/sink/N8-B4-float32"
     manifest = json.loads((GOLDEN / f"{stem}.json").read_text())
@@ -259,7 +259,7 @@ def test_fuzz_end_to_end_manifests(tmp_path_factory, data):
 @FUZZ
 @given(data=st.data())
 def test_fuzz_suite_manifest(tmp_path_factory, data):
-    from refkv.oracle.suite import _old_index, read_suite
+    from refkv.oracle.suiteindex import existing_index, read_suite
 
     index = json.loads((GOLDEN / "suite.json").read_text())
     index["files"] = index["files"][:3]
@@ -269,7 +269,7 @@ def test_fuzz_suite_manifest(tmp_path_factory, data):
     folder = tmp_path_factory.mktemp("suite")
     (folder / "suite.json").write_text(json.dumps(tampered))
     _outcome(lambda: read_suite(folder, verify=False), "suite.json")
-    _outcome(lambda: _old_index(folder, {"sink"}), "suite.json", str(folder))
+    _outcome(lambda: existing_index(folder, {"sink"}), "suite.json", str(folder))
     assert sorted(p.name for p in folder.iterdir()) == ["suite.json"]  # a reader writes nothing
 
 

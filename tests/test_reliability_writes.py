@@ -18,9 +18,11 @@ from refkv.cli import main
 from refkv.experiments import records, registry, runner
 from refkv.experiments.design import Experiment
 from refkv.experiments.settings import Settings
-from refkv.oracle import suite as suite_module
+from refkv.oracle import generate as generate_module
+from refkv.oracle.generate import generate_suite
 from refkv.oracle.io import read_json, write_json
-from refkv.oracle.suite import STAGING, generate_suite, read_suite
+from refkv.oracle.staging import STAGING, recover
+from refkv.oracle.suiteindex import read_suite
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"
 
@@ -140,7 +142,7 @@ def test_attack_26_08_merge_verifies_every_kept_file(capsys, tmp_path, small_sui
         entry["kind"] = "bogus"
         write_json(out / "suite.json", index)
     generated = []
-    monkeypatch.setattr(suite_module, "policy_vectors", lambda name, **kw: generated.append(name) or (None, []))
+    monkeypatch.setattr(generate_module, "policy_vectors", lambda name, **kw: generated.append(name) or (None, []))
     before = _snapshot(out)
     code, text = _run(capsys, "golden", "generate", "--out", out, "--policies", "sink", "--quiet")
     assert code == 2 and "Traceback" not in text, text
@@ -165,7 +167,7 @@ def test_attack_26_20_tampered_suite_json_is_refused_before_generating(capsys, t
     tamper(index)
     write_json(out / "suite.json", index)
     generated = []
-    monkeypatch.setattr(suite_module, "policy_vectors", lambda name, **kw: generated.append(name) or (None, []))
+    monkeypatch.setattr(generate_module, "policy_vectors", lambda name, **kw: generated.append(name) or (None, []))
     code, text = _run(capsys, "golden", "generate", "--out", out, "--policies", "sink", "--quiet")
     assert code == 2 and message in text and "Traceback" not in text, text
     assert generated == []
@@ -179,7 +181,7 @@ def test_attack_26_25_symlinked_policy_folder_refused_before_any_journal(capsys,
     elsewhere.mkdir()
     (out / "e2e" / "h2o").symlink_to(elsewhere, target_is_directory=True)
     generated = []
-    monkeypatch.setattr(suite_module, "policy_vectors", lambda name, **kw: generated.append(name) or (None, []))
+    monkeypatch.setattr(generate_module, "policy_vectors", lambda name, **kw: generated.append(name) or (None, []))
     code, text = _run(capsys, "golden", "generate", "--out", out, "--policies", "h2o", "--quiet")
     assert code == 2 and "leads outside the suite folder" in text, text
     assert not (out / STAGING).exists() and list(elsewhere.iterdir()) == [] and generated == []
@@ -191,6 +193,6 @@ def test_attack_26_25_an_unsafe_commit_record_is_discarded_not_kept(tmp_path, sm
     (out / STAGING).mkdir()
     (out / STAGING / "COMMITTED.json").write_text(json.dumps({"files": ["../x.json"], "remove": []}))
     with pytest.raises(ValueError, match="was discarded"):
-        suite_module.recover(out)
+        recover(out)
     assert not (out / STAGING).exists()
     assert read_suite(out)["policies"] == read_json(small_suite / "suite.json")["policies"]

@@ -120,7 +120,7 @@ def _schedule_of(args):
 
 
 def _cmd_generate(args) -> int:
-    from .suite import generate_schedules, generate_suite
+    from .generate import generate_schedules, generate_suite
 
     start = time.perf_counter()
     say = None if args.quiet else print
@@ -182,8 +182,8 @@ def _cmd_weights(args) -> int:
         print(f"wrote {len(m['arrays']['contents'])} arrays of model {args.model} (seed {args.seed}, {dtype}) to "
               f"{args.out} and its manifest to {m['arrays']['file'].rsplit('.', 1)[0]}.json")
         return 0
+    from .generate import load_golden_model
     from .hfexport import write_checkpoint
-    from .suite import load_golden_model
 
     dtype = args.dtype or ("float64" if args.model in MODELS else "float32")
     if args.model in MODELS:

@@ -26,7 +26,7 @@ fingerprints of the rows each position holds (:data:`SCHEDULE_ARRAYS`,
 
 The per-decision scores are what makes the comparison tie-aware end to end: where a
 candidate keeps another token than the reference, the two tokens' reference scores are at
-hand (see :mod:`refkv.oracle.compare`). This module reads and writes goldens;
+hand (see :mod:`refkv.oracle.retention` and :mod:`refkv.oracle.walk`). This module reads and writes goldens;
 :mod:`refkv.oracle.recorder` records them, running a model of :mod:`refkv.oracle.models`.
 """
 

@@ -31,7 +31,7 @@ DECODE_RULE = "numpy.random.default_rng(seed).integers(0, vocab_size, new_tokens
 
 #: The models end-to-end goldens can run: name -> ``builder(seed, dtype) -> Model``. A tiny model
 #: of another architecture (RoPE scaling, biases, q/k norms) becomes a golden with one entry
-#: here; :data:`refkv.oracle.suite.E2E_MODELS` chooses which of them the suite holds.
+#: here; :data:`refkv.oracle.recipes.E2E_MODELS` chooses which of them the suite holds.
 MODELS: dict[str, Callable[[int, str], Model]] = {
     "tiny": lambda seed, dtype: builtin_model(seed=seed, dtype=dtype),
     # The architectures the papers and the backends use (refkv.model.families): Llama 3 RoPE

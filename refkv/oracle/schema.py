@@ -30,6 +30,7 @@ __all__ = [
     "E2E_SCHEMA",
     "FLAGS",
     "FLOAT_FORMAT",
+    "READ_VERSIONS",
     "SCHEDULE_VERSION",
     "SCHEMA_VERSION",
     "SUITE_SCHEMA",
@@ -54,6 +55,10 @@ SCHEMA_VERSION = 1
 SCHEDULE_VERSION = 2
 #: The versions this refkv reads (end-to-end goldens also :data:`SCHEDULE_VERSION`).
 SUPPORTED_VERSIONS = (1,)
+#: The versions this refkv reads, by schema (the golden kinds of :mod:`refkv.oracle.kinds` name
+#: their schema; this table lives here, below them, because every reader checks its header here).
+READ_VERSIONS = {VECTORS_SCHEMA: SUPPORTED_VERSIONS, E2E_SCHEMA: (*SUPPORTED_VERSIONS, SCHEDULE_VERSION),
+                 SUITE_SCHEMA: SUPPORTED_VERSIONS}
 
 FLOAT_FORMAT = ("shortest decimal that round-trips the IEEE-754 binary64 value (Python repr); "
                 "float32 values written as their exact binary64 value; non-finite values as the "
@@ -104,7 +109,7 @@ def header(schema: str, version: int = SCHEMA_VERSION) -> dict:
 
 def check_header(obj: Mapping, schema: str, where: str) -> None:
     """Validate the common header: the schema name and a version this refkv reads."""
-    supported = SUPPORTED_VERSIONS + ((SCHEDULE_VERSION,) if schema == E2E_SCHEMA else ())
+    supported = READ_VERSIONS.get(schema, SUPPORTED_VERSIONS)
     name = require(obj, "schema", where)
     if name != schema:
         raise ValueError(f"{where}: schema is {name!r}, expected {schema!r}")

@@ -16,9 +16,11 @@ import sys
 import pytest
 
 from refkv.cli import main
-from refkv.oracle import suite as suite_module
+from refkv.oracle import generate as generate_module
+from refkv.oracle.generate import generate_suite
 from refkv.oracle.io import read_json, write_json
-from refkv.oracle.suite import STAGING, generate_suite, read_suite, recover
+from refkv.oracle.staging import STAGING, recover
+from refkv.oracle.suiteindex import read_suite
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -118,7 +120,7 @@ def _memoised(monkeypatch, changed: bool):
     """Cache the generator's work (so each simulated kill costs milliseconds) and, for the new
     generation, make its files differ from the old ones and drop one end-to-end golden (a stale
     file to delete)."""
-    vectors, e2e = suite_module.policy_vectors, suite_module.policy_end_to_end
+    vectors, e2e = generate_module.policy_vectors, generate_module.policy_end_to_end
     cache: dict = {}
 
     def policy_vectors(name, **kw):
@@ -137,8 +139,8 @@ def _memoised(monkeypatch, changed: bool):
             runs = [(label, {**m, "note": "regenerated"}, a) for label, m, a in runs[1:]]
         return runs, skips
 
-    monkeypatch.setattr(suite_module, "policy_vectors", policy_vectors)
-    monkeypatch.setattr(suite_module, "policy_end_to_end", policy_end_to_end)
+    monkeypatch.setattr(generate_module, "policy_vectors", policy_vectors)
+    monkeypatch.setattr(generate_module, "policy_end_to_end", policy_end_to_end)
 
 
 @pytest.mark.slow
@@ -185,7 +187,7 @@ def test_attack_13_02_kill_9_while_publishing_is_refused_by_readers_and_finished
     script = f"""
 import os, signal, sys
 sys.path.insert(0, {str(ROOT)!r})
-from refkv.oracle import suite
+from refkv.oracle import generate, goldens
 real, calls = os.replace, [0]
 def replace(a, b):
     calls[0] += 1
@@ -193,8 +195,8 @@ def replace(a, b):
         os.kill(os.getpid(), signal.SIGKILL)
     real(a, b)
 os.replace = replace
-suite.MODEL_SEED = 1  # new content: other end-to-end weights
-suite.generate_suite({str(out)!r}, ["sink"])
+goldens.MODEL_SEED = 1  # new content: other end-to-end weights
+generate.generate_suite({str(out)!r}, ["sink"])
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -71,7 +71,7 @@ def test_generate_schedule_goldens_for_a_model_and_check_them(tmp_path, capsys):
     assert main(["golden", "check", str(out), "--against", str(out), "--verbose"]) == 0
     assert "3 files: 3 passed" in capsys.readouterr().out
     with pytest.raises(ValueError, match="holds a golden suite"):
-        from refkv.oracle.suite import generate_schedules
+        from refkv.oracle.generate import generate_schedules
         from refkv.schedule import Schedule
 
         (out / "suite.json").write_text("{}")

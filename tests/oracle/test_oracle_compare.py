@@ -3,7 +3,10 @@
 import numpy as np
 import pytest
 
-from refkv.oracle.compare import compare_arrays, compare_end_to_end, compare_retention
+from refkv.oracle.arrays import compare_arrays
+from refkv.oracle.cases import compare_case
+from refkv.oracle.retention import compare_retention
+from refkv.oracle.walk import compare_end_to_end
 
 # -- arrays ---------------------------------------------------------------------------------
 
@@ -255,8 +258,6 @@ def snapkv_case():
 
 
 def test_declared_positive_multiple_accepts_a_mean_and_reports_it(snapkv_case):
-    from refkv.oracle.compare import compare_case
-
     out = snapkv_case.outputs
     mean = out["scores"] * np.float32(0.25)  # kvpress: the mean over a window of 4 queries, not their sum
     r = compare_case({"scores": mean, "kept": out["kept"]}, snapkv_case)
@@ -270,8 +271,6 @@ def test_declared_positive_multiple_accepts_a_mean_and_reports_it(snapkv_case):
 
 
 def test_declared_pinned_columns_are_not_compared_but_kept_sets_are(snapkv_case):
-    from refkv.oracle.compare import compare_case
-
     out = snapkv_case.outputs
     padded = np.where(out["protected"], out["scores"].max() + 1, out["scores"])  # kvpress pins protected tokens
     assert not compare_case({"scores": padded}, snapkv_case).ok
@@ -288,8 +287,6 @@ def test_declared_pinned_columns_are_not_compared_but_kept_sets_are(snapkv_case)
 
 
 def test_declared_kept_only_ignores_scores_and_bad_declarations_are_refused(snapkv_case):
-    from refkv.oracle.compare import compare_case
-
     out = snapkv_case.outputs
     r = compare_case({"scores": out["scores"] * 0, "kept": out["kept"]}, snapkv_case, declare={"kept_only": True})
     assert r.ok and r.notes == ["declared kept_only=true (argument)"]

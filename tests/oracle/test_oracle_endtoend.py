@@ -180,10 +180,10 @@ def test_a_model_is_added_to_the_suite_with_one_entry(monkeypatch, tmp_path):
     # The end-to-end model list is data: name -> builder. A second model (here the tiny one
     # with other weights, standing in for a tiny model of another architecture) adds its own
     # goldens, named after it, that check against themselves.
-    from refkv.oracle import check_suite, generate_suite, models, suite
+    from refkv.oracle import check_suite, generate, generate_suite, models
 
     monkeypatch.setitem(models.MODELS, "other", lambda seed, dtype: builtin_model(seed=seed + 7, dtype=dtype))
-    monkeypatch.setattr(suite, "E2E_MODELS", ("tiny", "other"))
+    monkeypatch.setattr(generate, "E2E_MODELS", ("tiny", "other"))
     index = generate_suite(tmp_path, ["sink"])
     other = [e["path"] for e in index["files"] if "/other-" in e["path"]]
     # Another model gets the first block and the first one-shot setting, in float32.

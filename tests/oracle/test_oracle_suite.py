@@ -11,7 +11,8 @@ import pytest
 from refkv.cli import main
 from refkv.oracle import check_suite, generate_suite, read_suite
 from refkv.oracle.io import read_npz, write_json, write_npz
-from refkv.oracle.suite import E2E_MODELS, REGENERATION_BOUND, library_policies, regeneration_differences
+from refkv.oracle.recipes import E2E_MODELS, library_policies
+from refkv.oracle.regenerate import REGENERATION_BOUND, regeneration_differences
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "golden"
 REGENERATE = "regenerate with: refkv golden generate --out tests/golden"
@@ -240,7 +241,7 @@ def _cases():
 
 def test_every_policy_that_runs_one_shot_has_one_shot_goldens_in_both_dtypes():
     from refkv import policies
-    from refkv.oracle.suite import NO_ONESHOT
+    from refkv.oracle.recipes import NO_ONESHOT
     from refkv.oracle.synthetic import config_for
 
     index = read_suite(GOLDEN)

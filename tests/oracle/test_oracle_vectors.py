@@ -11,7 +11,7 @@ from refkv import policies
 from refkv.oracle import read_vectors
 from refkv.oracle.encode import boundary_gap, encode_case, kept_rows, vectors_document
 from refkv.oracle.io import dumps
-from refkv.oracle.suite import library_policies
+from refkv.oracle.recipes import library_policies
 from refkv.oracle.synthetic import Tokens, random_tokens, replay
 from refkv.policies import Policy, View
 from refkv.testing import assert_case

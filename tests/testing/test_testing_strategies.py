@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from refkv import policies
 from refkv.cache import EMPTY
-from refkv.oracle.suite import library_policies
+from refkv.oracle.recipes import library_policies
 from refkv.testing import strategies as kvst
 
 

@@ -1,0 +1,217 @@
+"""``refkv golden generate``: write a golden suite, or a folder of custom schedule goldens.
+
+Layout of a suite directory::
+
+    suite.json                          index: versions, policies, every file with its sha256
+    vectors/<policy>.json               score-function test vectors
+    e2e/<policy>/N<N>-B<B>-<dtype>.json end-to-end manifest ...
+    e2e/<policy>/N<N>-B<B>-<dtype>.npz  ... and its arrays
+
+What a suite holds is declared in :mod:`refkv.oracle.recipes` and built per policy by
+:mod:`refkv.oracle.goldens`. Generating into a folder that holds a suite **merges**: the
+named policies' files are added or replaced, the others' are left untouched. The update is
+a transaction (:mod:`refkv.oracle.staging`): an interrupted run leaves the old suite or the
+new one, never a mix that fails its own checksums, and nothing outside the folder is ever
+touched.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from .. import policies as policy_registry
+from ..model import load
+from .endtoend import end_to_end_files, write_end_to_end
+from .goldens import policy_end_to_end, policy_schedules, policy_vectors
+from .io import dumps, sha256
+from .kinds import BY_NAME, KINDS, LISTED
+from .models import MODELS, build_model
+from .recipes import DECODE_SEED, E2E_MODELS, MODEL_SEED, PROMPT_SEED, library_policies
+from .recorder import run_schedule_golden
+from .regenerate import REGENERATION_BOUND
+from .schema import SUITE_SCHEMA, header
+from .staging import commit, recover, safe_path
+from .suiteindex import existing_index
+
+__all__ = ["generate_schedules", "generate_suite", "load_golden_model"]
+
+
+def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> dict:
+    """Write a golden suite into folder ``out`` (or merge into the suite there); return its index.
+
+    Parameters
+    ----------
+    out : path-like
+        Created if needed. If it holds a suite, the named policies' files are added or
+        replaced and every other policy's files are left untouched (their checksums must
+        hold).
+    policies : list of str, optional
+        Default: :func:`~refkv.oracle.recipes.library_policies`, every policy refkv itself registers. An empty
+        list, an unknown name or a name given twice is a ValueError.
+    progress : callable, optional
+        Called with a line of text per policy.
+
+    Notes
+    -----
+    **Nothing outside** ``out`` is touched: the paths an existing ``suite.json`` lists must
+    be suite files inside ``out`` (``vectors/<policy>.json``, ``e2e/<policy>/<name>.json``,
+    normalised, not leading out through a symlink), else a ValueError is raised before
+    anything is written or deleted.
+
+    **Atomic update.** Every file is first written into the staging folder
+    ``out/.refkv-generate/`` (each written atomically), the new ``suite.json`` too; then a
+    commit record is written (atomically) and the files are moved into place with
+    :func:`os.replace`, ``suite.json`` last, and the old policies' stale files are deleted.
+    A run killed before the commit record leaves the old suite untouched (the staging
+    folder is deleted by the next run or read); killed after it, the next
+    :func:`generate_suite` (or :func:`refkv.oracle.staging.recover`) finishes the move;
+    :func:`refkv.oracle.suiteindex.read_suite` refuses
+    the suite until then (a reader never writes). Either way a reader sees the old suite or
+    the new one, never a mix that fails its checksums.
+    """
+    out = Path(out)
+    names = _policy_names(policies)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    recover(out)
+    old = existing_index(out, set(names))
+    for name in names:  # every new file's folder stays inside out (a symlinked e2e/<policy> is refused now)
+        for rel in dict.fromkeys(kind.path(name) for kind in KINDS):
+            safe_path(out, rel, f"generating {name} into {out}")
+
+    files: dict[str, bytes] = {}
+    entries, skipped = [], []
+    for name in names:
+        doc, skips = policy_vectors(name)
+        skipped += skips
+        if doc is not None:
+            kind = BY_NAME["vectors"]
+            rel = kind.path(name)
+            files[rel] = dumps(doc).encode("utf-8")
+            entries.append({"path": rel, "kind": kind.listed_as, "policy": name, "sha256": sha256(files[rel]),
+                            "cases": doc["number_of_cases"]})
+        n_runs = 0
+        made = [(BY_NAME["e2e"], policy_end_to_end(name, model)) for model in E2E_MODELS]
+        made.append((BY_NAME["schedule"], policy_schedules(name)))
+        for kind, (runs, skips) in made:
+            skipped += skips
+            n_runs += len(runs)
+            for label, manifest, arrays in runs:
+                rel = kind.path(name, label)
+                manifest, text, data = end_to_end_files(label, manifest, arrays)
+                files[rel], files[rel[:-len(".json")] + ".npz"] = text, data
+                entries.append({"path": rel, "kind": kind.listed_as, "policy": name, "mode": manifest["mode"],
+                                "dtype": manifest["dtype"], "sha256": sha256(text), "npz_sha256": sha256(data)})
+        if progress is not None:
+            n_cases = doc["number_of_cases"] if doc else 0
+            n_skips = sum(1 for s in skipped if s["policy"] == name)
+            progress(f"{name}: {n_cases} vector cases, {n_runs} end-to-end goldens, {n_skips} skipped")
+
+    kept_entries, kept_skips, kept_policies = [], [], []
+    if old is not None:
+        kept_policies = [p for p in old.get("policies", []) if p not in names]
+        kept_entries = [e for e in old["files"] if e["policy"] not in names]
+        kept_skips = [s for s in old.get("skipped", []) if isinstance(s, dict) and s.get("policy") not in names]
+    all_names = kept_policies + names
+    order = {n: i for i, n in enumerate(library_policies())}
+    all_names.sort(key=lambda n: (order.get(n, len(order)), n))
+    rank = {n: i for i, n in enumerate(all_names)}
+    index = {
+        **header(SUITE_SCHEMA),
+        "description": ("refkv golden suite: score-function test vectors (vectors/) and end-to-end goldens "
+                        "(e2e/), one-shot and block mode. Check a candidate with: "
+                        "refkv golden check CANDIDATE_DIR --against THIS_DIR"),
+        "model": {"name": "tiny", "seed": MODEL_SEED},
+        "models": list(E2E_MODELS),
+        "prompt_seed": PROMPT_SEED,
+        "regeneration": {
+            "float_bound": {kind: dict(b) for kind, b in REGENERATION_BOUND.items()},
+            "rule": ("regenerating on any machine must give identical decisions (kept positions, protected "
+                     "masks, flags, counts, integers, strings) and floats with |a - b| <= bound[kind][dtype] "
+                     "* max(1, max |a|) per array (kind: vectors or e2e); bit-identity is expected only on the "
+                     "same machine"),
+        },
+        "policies": all_names,
+        "files": sorted(kept_entries + entries, key=lambda e: (rank[e["policy"]], LISTED.index(e["kind"]))),
+        "skipped": sorted(kept_skips + skipped, key=lambda s: rank.get(s["policy"], len(rank))),
+    }
+    written = {e["path"] for e in entries}
+    stale = sorted(e["path"] for e in (old["files"] if old else []) if e["policy"] in names
+                   and e["path"] not in written)
+    commit(out, files, index, stale)
+    return index
+
+
+
+def load_golden_model(name: str, dtype: str):
+    """A model for goldens: a name of :data:`refkv.oracle.models.MODELS` (seeded random weights),
+    ``"smollm2"`` or a checkpoint path (:func:`refkv.model.load`)."""
+    if name in MODELS:
+        return build_model(name, MODEL_SEED, dtype)
+    return load(name, dtype=np.dtype(dtype))
+
+
+def generate_schedules(out, policies: list[str] | None, schedule, *, model: str = "tiny", prompt_length: int = 128,
+                       dtype: str | None = None, progress=None) -> dict:
+    """Schedule goldens of ``policies`` (default: every library policy) for one model and schedule.
+
+    Written as ``out/e2e/<policy>/<model>-<label>-<dtype>.json`` (+ ``.npz``) in a folder of
+    golden files without ``suite.json`` (``refkv golden check`` finds them by their schema).
+    A real checkpoint defaults to float32 (the reduced set: one precision, one schedule).
+    A policy that refuses the schedule is skipped and listed. Returns ``{"written", "skipped"}``.
+    """
+    out = Path(out)
+    if (out / "suite.json").exists():
+        raise ValueError(f"--out {out} holds a golden suite (suite.json); write custom goldens to another folder")
+    names = _policy_names(policies)
+    dtype = dtype or ("float64" if model in MODELS else "float32")
+    built = load_golden_model(model, dtype)
+    tag = re.sub(r"[^A-Za-z0-9_.+-]", "_", Path(model).name if model not in MODELS else model)
+    sched = schedule
+    prefill = "oneshot" if sched.block_size is None else f"B{sched.block_size}"
+    rule = f"N{sched.budget}" if sched.rule == "interval" else f"ratio{sched.ratio:g}"
+    label = (f"{tag}-sched-{prefill}{'' if sched.prefill_budget is None else sched.prefill_budget}"
+             f"-K{sched.interval}-{rule}-{dtype}")
+    written, skipped = [], []
+    for name in names:
+        try:
+            manifest, arrays = run_schedule_golden(policy_registry.get(name), sched, dtype=dtype,
+                                                   prompt_length=prompt_length, model_seed=MODEL_SEED,
+                                                   prompt_seed=PROMPT_SEED, decode_seed=DECODE_SEED, model=model,
+                                                   built=None if model in MODELS else built)
+        except ValueError as err:
+            skipped.append({"policy": name, "reason": str(err)})
+            if progress is not None:
+                progress(f"{name}: skipped: {err}")
+            continue
+        path = out / "e2e" / name / f"{label}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_end_to_end(path, manifest, arrays)
+        written.append(str(path))
+        if progress is not None:
+            progress(f"{name}: {path} ({manifest['n_rounds']} rounds)")
+    return {"written": written, "skipped": skipped}
+
+
+
+def _policy_names(policies) -> list[str]:
+    if policies is None:
+        return library_policies()
+    if isinstance(policies, str):
+        raise ValueError(f"policies must be a list of policy names, got the string {policies!r}")
+    names = list(policies)
+    if not names:
+        raise ValueError("policies must name at least one policy, got none (leave it out for every policy)")
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"policies must be non-empty policy names, got {name!r}")
+        policy_registry.policy_class(name)  # ValueError naming the unknown policy
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"policies lists {', '.join(map(repr, twice))} more than once")
+    return names
+

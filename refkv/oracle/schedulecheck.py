@@ -1,0 +1,41 @@
+"""The check of a schedule golden (kind ``schedule``, listed as ``e2e``): a candidate's kept
+positions after every round of a compression schedule (:mod:`refkv.schedule`), compared
+by :func:`refkv.oracle.rounds.compare_schedule`."""
+
+from __future__ import annotations
+
+from .endtoend import read_end_to_end
+from .filecheck import candidate_settings, finish_end_to_end
+from .report import FileReport
+from .rounds import compare_schedule
+from .status import Status
+
+__all__ = ["check_schedule_file"]
+
+
+def check_schedule_file(candidate_path, reference_path, *, dtype=None, declare=None, tolerance_factor: float = 1.0,
+                        strict_ties: bool = False, final_only: bool = False, check_dtype="kind",
+                        rel: str | None = None, source: str = "argument") -> FileReport:
+    """Compare a candidate's rounds with a schedule golden (:func:`refkv.oracle.rounds.compare_schedule`).
+
+    A schedule golden has no final-only form: with ``final_only`` nothing is compared
+    (the report says so, and counts nothing compared).
+    """
+    rel = rel or str(reference_path)
+    ref = read_end_to_end(reference_path)
+    if final_only:  # not compared (counted as such: a check of schedule goldens only compares nothing and fails)
+        return FileReport(rel, "e2e", Status.OK, notes=["warning: not compared: a schedule golden has no final-only "
+                                                        "form (the kept positions after every round are needed)"],
+                          compared=0)
+    cand = read_end_to_end(candidate_path, candidate=True)
+    name, decl, notes = candidate_settings(cand.manifest, str(candidate_path), dtype, declare, source)
+    res = compare_schedule(cand.arrays, ref.arrays, ref.manifest, dtype=name, declare=decl,
+                           tolerance_factor=tolerance_factor, strict_ties=strict_ties, check_dtype=check_dtype)
+    report = FileReport(rel, "e2e", Status.OK, notes=notes + res.notes, compared=res.decisions)
+    report.notes.insert(len(notes), f"form: every round of the schedule ({ref.manifest.get('schedule_text', '')}); "
+                                    f"kept positions as sets, {res.rows_checked} rows' keys checked, "
+                                    f"{res.scores_checked} scores compared")
+    head = f"{ref.label}: {res.decisions} (round, layer) steps compared"
+    if res.unchecked:
+        head += f", {res.unchecked} downstream of a tie or divergence not compared"
+    return finish_end_to_end(report, res, head)
