@@ -295,6 +295,20 @@ def test_experiment_summary_table_is_rounded(tmp_path):
     assert summary_table("perplexity", tmp_path / "nowhere") is None
 
 
+def test_experiment_summary_table_shows_a_gap_without_its_baseline_as_nan(tmp_path):
+    # `--policies SPEC` alone (MAT's chosen spec in the registered run) has no full-cache row
+    # in its table: the gap is NaN, and the console table printed it as a traceback-free error
+    # "cannot convert float NaN to integer" after the cells had finished.
+    from refkv.experiments.cli import summary_table
+
+    folder = tmp_path / "perplexity"
+    folder.mkdir()
+    (folder / "ppl.csv").write_text("policy,label,budget,block,ppl,delta_ppl,segments\n"
+                                    "mat,MAT,128,1,18.996,nan,0\n", encoding="utf-8")
+    table = summary_table("perplexity", tmp_path)
+    assert "19" in table and "nan" in table
+
+
 def test_python_dash_m():
     out = subprocess.run([sys.executable, "-m", "refkv", "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("refkv ")

@@ -46,6 +46,8 @@ def _rounded(text: str) -> str:
         value = float(text)
     except ValueError:
         return text
+    if not math.isfinite(value):  # "nan": a gap with no full-cache run in the same table
+        return text
     if value == int(value) and abs(value) < 1e6 and "." not in text:
         return text
     return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
