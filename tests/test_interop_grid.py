@@ -31,7 +31,16 @@ pytest.importorskip("transformers", reason="needs transformers: pip install 'ref
 from refkv import policies  # noqa: E402
 from refkv.cli import main  # noqa: E402
 from refkv.interop.kvpress import write_candidates  # noqa: E402
-from refkv.interop.kvpress.catalog import DEFECTS, GRID, KEPT_ONLY, PAIRS, WRAPPERS, grid_rst  # noqa: E402
+from refkv.interop.kvpress.catalog import (  # noqa: E402
+    DEFECTS,
+    GRID,
+    KEPT_ONLY,
+    PAIRS,
+    PRESSES,
+    WRAPPERS,
+    grid_rst,
+    presses_rst,
+)
 from refkv.oracle.endtoend import run_schedule_golden, write_end_to_end  # noqa: E402
 from refkv.schedule import Schedule  # noqa: E402
 
@@ -133,8 +142,27 @@ def test_every_wrapper_and_press_of_the_grid_is_kvpress_own():
     assert set(PAIRS) <= set(kvpress.__all__)
 
 
-def test_docs_grid_is_the_asserted_outcomes():
+#: The statuses a press may have (issue 22 F), each followed by its reason where it has one.
+STATUSES = ("matches", "differs by design", "kvpress defect", "not an eviction policy", "needs a hub download",
+            "not implemented", "cannot run", "differs:", "passes:")
+
+
+def test_every_kvpress_press_has_one_status():
+    """The table lists exactly kvpress's presses: a new kvpress version's extra press fails here."""
+    assert sorted(PRESSES) == sorted(kvpress.__all__)
+    assert all(status.startswith(STATUSES) for status in PRESSES.values())
+    assert all(cell.status.startswith(STATUSES) for cell in GRID.values())
+
+
+def _block(name: str) -> str:
     text = PAGE.read_text()
-    begin, end = ".. begin-grid\n", ".. end-grid\n"
-    shown = text[text.index(begin) + len(begin):text.index(end)].strip("\n")
-    assert shown == grid_rst().strip("\n"), "docs/oracle/kvpress.rst's grid is stale; paste:\n" + grid_rst()
+    begin, end = f".. begin-{name}\n", f".. end-{name}\n"
+    return text[text.index(begin) + len(begin):text.index(end)].strip("\n")
+
+
+def test_docs_grid_and_press_table_are_the_catalog():
+    assert _block("grid") == grid_rst().strip("\n"), "docs/oracle/kvpress.rst's grid is stale; paste:\n" + grid_rst()
+    assert _block("presses") == presses_rst().strip("\n"), "the press table is stale; paste:\n" + presses_rst()
+    text = PAGE.read_text().replace("\n   ", "\n")
+    for defect in DEFECTS:
+        assert defect.repro.strip() in text, defect.name

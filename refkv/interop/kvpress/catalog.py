@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFECTS", "GRID", "KEPT_ONLY", "PAIRS", "WRAPPERS", "Cell", "Defect", "grid_rst"]
+__all__ = ["DEFECTS", "GRID", "KEPT_ONLY", "PAIRS", "PRESSES", "WRAPPERS", "Cell", "Defect", "grid_rst", "presses_rst"]
 
 #: Scorer press -> (refkv policy, its options that match the press, the press's parameters).
 PAIRS = {
@@ -185,4 +185,77 @@ def grid_rst() -> str:
             for dtype in ("float32", "bfloat16", "float16"):
                 cell = GRID.get((press, wrapper, dtype))
                 lines.append(f"     - {cell.status if cell else 'not run'}")
+    return "\n".join(lines) + "\n"
+
+
+_NOT_POLICY = "not an eviction policy"
+_NOT_IMPL = "not implemented"
+_HUB = "needs a hub download"
+
+#: Every name of ``kvpress.__all__`` (0.5.5) -> its one status (a test compares the names with
+#: the installed kvpress, so a new press fails until it is classified here).
+PRESSES = {
+    "AdaKVPress": f'{_KVPRESS} of adakv over keydiff, knorm, sink, snapkv and expected_attention (the grid); '
+                  "kvpress defect under DecodingPress (masked rows re-selected)",
+    "BasePress": f"{_NOT_POLICY} (the base class of every press)",
+    "BlockPress": "matches for per-token scores (knorm); differs by design for the others (block-wise selection)",
+    "CAMPress": f"{_NOT_POLICY} (merging: evicted values are merged into the kept ones)",
+    "CapPress": f"{_NOT_IMPL} (CAPKV's score has no refkv policy)",
+    "ChunkKVPress": f"{_NOT_IMPL} (chunk-wise selection of whole chunks: no refkv policy)",
+    "ChunkPress": "differs by design (each chunk rounds its own share down: 15 of 16 kept)",
+    "ComposedPress": f"{_NOT_POLICY} (runs presses one after another; each is checked alone)",
+    "CompactorPress": f"{_NOT_IMPL} (leverage scores blended with attention: no refkv policy)",
+    "CompressionRatioDecodingPress": "matches (refkv golden generate --ratio; tests/test_interop_schedules.py)",
+    "CriticalAdaKVPress": f"{_NOT_IMPL} (CriticalKV weights scores by |W_o v|_1; refkv's views hold no W_o)",
+    "CriticalKVPress": f"{_NOT_IMPL} (needs W_o in the view, as CriticalAdaKVPress)",
+    "CURPress": f"{_NOT_IMPL} (CUR leverage scores of keys and values: no refkv policy)",
+    "DMSPress": f"{_NOT_POLICY} (learned: evicts by a trained threshold model)",
+    "DecodingPress": "matches for keydiff and knorm; kvpress defects with StreamingLLM, ObservedAttention and "
+                     "ExpectedAttention (the grid)",
+    "DuoAttentionPress": f"{_HUB} (its retrieval/streaming head patterns)",
+    "EntropyGatedChunkKVPress": f"{_NOT_IMPL} (ChunkKV with an entropy gate: no refkv policy)",
+    "ExpectedAttentionPress": "matches (expected_attention, one-shot); kvpress defect under DecodingPress "
+                              "(NaN scores when the interval <= n_sink)",
+    "ExpectedAttentionStatsPress": f"{_HUB} (pre-computed query statistics)",
+    "FastKVzipPress": f"{_NOT_POLICY} (learned: gates trained on KVzip scores, downloaded)",
+    "FinchPress": f"{_NOT_IMPL} (SnapKV windows set by delimiter tokens of the prompt)",
+    "KVComposePress": f"{_NOT_IMPL} (composite tokens across heads: no refkv policy)",
+    "KVgradPress": f"{_NOT_IMPL} (gradients of the final hidden states: needs a backward pass)",
+    "KVPressTextGenerationPipeline": f"{_NOT_POLICY} (the generation pipeline)",
+    "KVzapPress": f"{_NOT_POLICY} (learned: a surrogate model, downloaded)",
+    "KVzipPress": f"{_NOT_IMPL} (scores by a second forward pass reconstructing the context)",
+    "KeyDiffPress": "matches (keydiff) under every wrapper but ChunkPress and BlockPress (by design)",
+    "KeyRerotationPress": "matches (re-rotated keys declared; rows matched by their RoPE turn)",
+    "KnormPress": "matches (knorm) under every wrapper but ChunkPress (by design)",
+    "LUKVPress": f"{_HUB} (its pre-computed budget curve)",
+    "LagKVPress": f"{_NOT_IMPL} (lag-relative statistics of key chunks: no refkv policy)",
+    "LeverageScorePress": f"{_NOT_IMPL} (leverage scores of pre-RoPE keys: no refkv policy)",
+    "MergingPress": f"{_NOT_POLICY} (merging: evicted values blended into kept ones)",
+    "NonCausalAttnPress": f"{_NOT_IMPL} (non-causal chunked attention: no refkv policy)",
+    "ObservedAttentionPress": "differs by design (h2o recent=0, sums divided by n - j); kvpress defect under "
+                              "DecodingPress (one query's weights divided by n - j)",
+    "PerLayerCompressionPress": "matches option pyramidkv (its layer budgets as ratios), every scorer but TOVA "
+                                "and ObservedAttention (their own differences)",
+    "PrefillDecodingPress": "matches (keydiff, knorm; tests/test_interop_schedules.py)",
+    "PyramidKVPress": f"{_KVPRESS} of pyramidkv (over snapkv, window inside the budget)",
+    "QFilterPress": f"{_HUB} (learned Q-filters)",
+    "RandomPress": f"{_NOT_IMPL} (random scores: nothing to compare)",
+    "RestoreKVPress": f"{_HUB} (learned restore tokens on top of KVzip)",
+    "ScorerPress": f"{_NOT_POLICY} (the base class of scorers)",
+    "SimLayerKVPress": f"{_NOT_IMPL} (per-layer laziness test switching to a window: no refkv policy)",
+    "SnapKVPress": "differs by design (snapkv pooling=avg: a mean where refkv sums, window padded max+1); "
+                   "cannot run decoding rounds shorter than its window",
+    "StreamingLLMPress": "differs by design (sink: 1/0 scores, kept sets compared); kvpress defects: a prompt of "
+                         "at most n_sink tokens, and sink tokens evicted from the second DecodingPress round",
+    "TOVAPress": "differs by design (tova all_heads=True, the last token padded max+1: always kept)",
+    "ThinKPress": f"{_NOT_POLICY} (prunes key channels, not tokens)",
+}
+
+
+def presses_rst() -> str:
+    """Every kvpress press and its status, for docs/oracle/kvpress.rst (between ``begin-presses`` and
+    ``end-presses``)."""
+    lines = [".. list-table::", "   :header-rows: 1", "", "   * - press", "     - status"]
+    for name in sorted(PRESSES, key=str.lower):
+        lines += [f"   * - ``{name}``", f"     - {PRESSES[name]}"]
     return "\n".join(lines) + "\n"
