@@ -166,3 +166,23 @@ def test_docs_grid_and_press_table_are_the_catalog():
     text = PAGE.read_text().replace("\n   ", "\n")
     for defect in DEFECTS:
         assert defect.repro.strip() in text, defect.name
+
+
+@pytest.mark.slow
+def test_adakv_press_on_smollm2(smollm2, tmp_path, capsys):
+    """AdaKVPress(KeyDiffPress) on SmolLM2's real weights: a 64-token prompt to N = 32 per head on average,
+    against refkv's adakv with form="kvpress" over keydiff, every layer and head's kept set and scores."""
+    policy = policies.get("adakv", base="keydiff", form="kvpress")
+    folder = tmp_path / "goldens" / "e2e" / "adakv"
+    folder.mkdir(parents=True)
+    manifest, arrays = run_schedule_golden(policy, Schedule(None, 32, 1, 32, new_tokens=0), dtype="float32",
+                                           prompt_length=64, model="smollm2", built=smollm2)
+    write_end_to_end(folder / "smollm2.json", manifest, arrays)
+    out = write_candidates(kvpress.AdaKVPress(kvpress.KeyDiffPress()), tmp_path / "goldens", tmp_path / "candidate",
+                           policy="adakv", progress=None)
+    assert out["written"], out["skipped"]
+    capsys.readouterr()
+    code = main(["golden", "check", str(tmp_path / "candidate"), "--against", str(tmp_path / "goldens"), "--kind",
+                 "e2e", "--policies", "adakv", "--case-dtype", "all", "--verbose"])
+    report = capsys.readouterr().out
+    assert code == 0, report
