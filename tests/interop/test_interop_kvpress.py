@@ -31,7 +31,9 @@ kvpress = pytest.importorskip("kvpress", reason="the kvpress interop tests need 
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install 'refkv[interop]'")
 
 from refkv.cli import main  # noqa: E402
-from refkv.interop import kvpress as ka  # noqa: E402
+from refkv.interop.kvpress import cases as kc  # noqa: E402
+from refkv.interop.kvpress import models as km  # noqa: E402
+from refkv.interop.kvpress import outcomes as ko  # noqa: E402
 from refkv.oracle.encode import candidate_document  # noqa: E402
 from refkv.oracle.io import write_json  # noqa: E402
 from refkv.policies import available, select  # noqa: E402
@@ -44,38 +46,38 @@ ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden"
 PAGE = ROOT / "docs" / "oracle" / "kvpress.rst"
 _BUILT = tempfile.TemporaryDirectory(prefix="refkv-kvpress-")  # removed when the session ends
-ka.write_oneshot_suite(_BUILT.name)
+ko.write_oneshot_suite(_BUILT.name)
 FOLDERS = {"built": _BUILT.name, "golden": GOLDEN}
 
 
 def _items():
-    for press, pairing in ka.PAIRINGS.items():
-        for dtype in ka.DTYPES:
-            for source, case in ka.cases_for(pairing, dtype, FOLDERS):
-                defect = ka.defect_for(press, dtype, case)
+    for press, pairing in kc.PAIRINGS.items():
+        for dtype in km.DTYPES:
+            for source, case in ko.cases_for(pairing, dtype, FOLDERS):
+                defect = ko.defect_for(press, dtype, case)
                 marks = [pytest.mark.xfail(strict=True, raises=AssertionError,
                                            reason=f"kvpress defect: {defect.what}")] if defect else []
-                yield pytest.param(pairing, dtype, case, id=ka.item_id(press, dtype, source, case), marks=marks)
+                yield pytest.param(pairing, dtype, case, id=ko.item_id(press, dtype, source, case), marks=marks)
 
 
 @pytest.mark.parametrize("pairing, dtype, case", list(_items()))
 def test_press_agrees_with_refkv(pairing, dtype, case):
     try:
-        ka.check(pairing, case, dtype)
-    except ka.ToleranceGap as gap:  # refkv's side, shown as an expected failure until its tolerance has the floor
+        kc.check(pairing, case, dtype)
+    except kc.ToleranceGap as gap:  # refkv's side, shown as an expected failure until its tolerance has the floor
         pytest.xfail(f"refkv float16 tolerance gap: {gap}")
 
 
 def test_every_press_runs_on_cases_of_every_dtype():
-    for press, pairing in ka.PAIRINGS.items():
-        for dtype in ka.DTYPES:
-            sources = {s for s, _ in ka.cases_for(pairing, dtype, FOLDERS)}
+    for press, pairing in kc.PAIRINGS.items():
+        for dtype in km.DTYPES:
+            sources = {s for s, _ in ko.cases_for(pairing, dtype, FOLDERS)}
             assert "built" in sources, (press, dtype)
     # the key- and position-based presses also run on every committed default case
     for press in ("KeyDiffPress", "KnormPress", "StreamingLLMPress"):
-        pairing = ka.PAIRINGS[press]
+        pairing = kc.PAIRINGS[press]
         defaults = load_cases(GOLDEN, policy=pairing.policy, params=get_policy(pairing.policy).params())
-        ran = [c for s, c in ka.cases_for(pairing, "float64", FOLDERS) + ka.cases_for(pairing, "float32", FOLDERS)
+        ran = [c for s, c in ko.cases_for(pairing, "float64", FOLDERS) + ko.cases_for(pairing, "float32", FOLDERS)
                if s == "golden"]
         assert {c.id for c in defaults} <= {c.id for c in ran} and defaults, press
 
@@ -84,11 +86,11 @@ def test_presses_run_on_the_committed_one_shot_goldens():
     """The committed suite's one-shot cases (``load_cases(mode="oneshot")``) reach every press that has them."""
     oneshot = load_cases(GOLDEN, mode="oneshot")
     assert oneshot
-    assert all(ka.case_mode(c) == "oneshot" and c.sizes["block"] == c.sizes["n"] for c in oneshot)
+    assert all(kc.case_mode(c) == "oneshot" and c.sizes["block"] == c.sizes["n"] for c in oneshot)
     for press in ("KeyDiffPress", "KnormPress", "StreamingLLMPress", "SnapKVPress"):
-        pairing = ka.PAIRINGS[press]
-        ran = [c for s, c in ka.cases_for(pairing, "float32", FOLDERS)
-               if s == "golden" and ka.case_mode(c) == "oneshot"]
+        pairing = kc.PAIRINGS[press]
+        ran = [c for s, c in ko.cases_for(pairing, "float32", FOLDERS)
+               if s == "golden" and kc.case_mode(c) == "oneshot"]
         assert ran, f"{press}: no committed one-shot float32 case with matching options"
 
 
@@ -98,13 +100,13 @@ def test_compression_ratio_keeps_exactly_the_budget():
 
     for n in range(1, 400):
         for keep in range(1, n + 1):
-            assert compute_n_kept(n, ka.compression_ratio(n, keep)) == keep, (n, keep)
+            assert compute_n_kept(n, km.compression_ratio(n, keep)) == keep, (n, keep)
 
 
 def test_the_path_rejects_a_wrong_press():
     """The check can fail: KnormPress's scores are not KeyDiff's."""
     case = load_cases(FOLDERS["built"], policy="keydiff", dtype="float32")[0]
-    out = ka.press_outputs(kvpress.KnormPress(), case, "float32")
+    out = kc.press_outputs(kvpress.KnormPress(), case, "float32")
     with pytest.raises(AssertionError, match="scores differ"):
         assert_case(case, scores=out["scores"], kept=out["kept"])
 
@@ -114,7 +116,7 @@ def test_refkv_default_tova_differs_from_the_press_on_gqa():
     tova = get_policy("tova")
     failures = 0
     for case in load_cases(FOLDERS["built"], policy="tova", flags=("gqa",)):
-        out = ka.press_outputs(kvpress.TOVAPress(), case, "float64")
+        out = kc.press_outputs(kvpress.TOVAPress(), case, "float64")
         n = case.sizes["n"]
         ours = tova.score(case.view())
         failures += not np.allclose(out["scores"][:, :n - 1], ours[:, :n - 1], rtol=1e-6)
@@ -124,7 +126,7 @@ def test_refkv_default_tova_differs_from_the_press_on_gqa():
 def test_snapkv_scores_are_a_positive_multiple_of_refkv():
     """The declaration SnapKV needs is true and needed: press = refkv / w off the window, not equal."""
     for case in load_cases(FOLDERS["built"], policy="snapkv", dtype="float64"):
-        out = ka.press_outputs(ka.PAIRINGS["SnapKVPress"].make(case), case, "float64")
+        out = kc.press_outputs(kc.PAIRINGS["SnapKVPress"].make(case), case, "float64")
         w = case.params["window"]
         ref = case.outputs["scores"][:, :-w]
         np.testing.assert_allclose(out["scores"][:, :-w] * w, ref, rtol=1e-12, atol=1e-15)
@@ -134,27 +136,27 @@ def test_snapkv_scores_are_a_positive_multiple_of_refkv():
 
 def test_observed_attention_is_h2o_sums_divided_by_the_query_count():
     for case in load_cases(FOLDERS["built"], policy="h2o", dtype="float64"):
-        out = ka.press_outputs(kvpress.ObservedAttentionPress(), case, "float64")
+        out = kc.press_outputs(kvpress.ObservedAttentionPress(), case, "float64")
         n = case.sizes["n"]
         np.testing.assert_allclose(out["scores"], case.outputs["scores"] / np.arange(n, 0, -1), rtol=1e-12)
 
 
 # -- defects ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("defect", ka.DEFECTS, ids=lambda d: d.press)
+@pytest.mark.parametrize("defect", ko.DEFECTS, ids=lambda d: d.press)
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="a defect of kvpress 0.5.5 (docs/oracle/kvpress.rst)")
 def test_defect_minimal_reproduction(defect):
     exec(compile(defect.repro, f"<{defect.press} repro>", "exec"), {})
 
 
-@pytest.mark.parametrize("defect", ka.DEFECTS, ids=lambda d: d.press)
+@pytest.mark.parametrize("defect", ko.DEFECTS, ids=lambda d: d.press)
 def test_each_defect_is_exposed_by_golden_cases(defect):
     """A listed defect is one refkv's cases find: every case of its flag fails in its dtypes, and only there."""
-    pairing = ka.PAIRINGS[defect.press]
+    pairing = kc.PAIRINGS[defect.press]
     found = 0
-    for dtype in ka.DTYPES:
-        exposed = [c for _, c in ka.cases_for(pairing, dtype, FOLDERS) if defect.applies_to(c)]
+    for dtype in km.DTYPES:
+        exposed = [c for _, c in ko.cases_for(pairing, dtype, FOLDERS) if defect.applies_to(c)]
         expected = "defect" if dtype in defect.dtypes else "pass"
-        assert all(ka.outcome(pairing, c, dtype) == expected for c in exposed), dtype
+        assert all(ko.outcome(pairing, c, dtype) == expected for c in exposed), dtype
         found += len(exposed) if dtype in defect.dtypes else 0
     assert found > 0
 
@@ -167,16 +169,16 @@ def _candidate_folder(root, pairing, folder, dtypes=None) -> int:
     A case where the press stops on a known defect is left out (the check reports it missing).
     """
     outputs, cases, computed = {}, [], set()
-    own = [d for d in ka.DTYPES if d == ka.CASE_DTYPE[d]]  # float64 and float32
+    own = [d for d in km.DTYPES if d == kc.CASE_DTYPE[d]]  # float64 and float32
     for dtype in own if dtypes is None else dtypes:
-        for _, case in ka.cases_for(pairing, dtype, {"only": folder}):
-            if ka.defect_for(pairing.press, dtype, case):
+        for _, case in ko.cases_for(pairing, dtype, {"only": folder}):
+            if ko.defect_for(pairing.press, dtype, case):
                 continue
-            outputs[case.id] = ka.pairing_candidate(pairing, case, dtype)
+            outputs[case.id] = kc.pairing_candidate(pairing, case, dtype)
             cases.append(case)
             computed.add(dtype)
     doc = {**candidate_document(pairing.policy, outputs),
-           **ka.file_declarations(pairing, cases, computed.pop() if len(computed) == 1 else None)}
+           **kc.file_declarations(pairing, cases, computed.pop() if len(computed) == 1 else None)}
     write_json(Path(root) / "vectors" / f"{pairing.policy}.json", doc)
     return len(outputs)
 
@@ -184,11 +186,11 @@ def _candidate_folder(root, pairing, folder, dtypes=None) -> int:
 @pytest.mark.parametrize("press", ["KeyDiffPress", "KnormPress", "StreamingLLMPress"])
 def test_golden_check_cli_agrees_with_the_api_on_the_committed_suite(press, tmp_path, capsys):
     """``refkv golden check`` passes a press's candidate file exactly when every case passes one by one."""
-    pairing = ka.PAIRINGS[press]
+    pairing = kc.PAIRINGS[press]
     assert _candidate_folder(tmp_path, pairing, GOLDEN) > 0
     defaults = {c.id for c in load_cases(GOLDEN, policy=pairing.policy, params=get_policy(pairing.policy).params())}
-    outcomes = [ka.outcome(pairing, c, c.dtype) for d in ("float64", "float32")
-                for _, c in ka.cases_for(pairing, d, {"golden": GOLDEN}) if c.id in defaults]
+    outcomes = [ko.outcome(pairing, c, c.dtype) for d in ("float64", "float32")
+                for _, c in ko.cases_for(pairing, d, {"golden": GOLDEN}) if c.id in defaults]
     code = main(["golden", "check", str(tmp_path), "--against", str(GOLDEN), "--kind", "vectors",
                  "--policies", pairing.policy, "--default-params"])
     out = capsys.readouterr().out
@@ -198,7 +200,7 @@ def test_golden_check_cli_agrees_with_the_api_on_the_committed_suite(press, tmp_
 
 
 def test_golden_check_cli_catches_a_wrong_press(tmp_path, capsys):
-    wrong = ka.Pairing("KnormPress", "keydiff", "", "")  # Knorm's outputs offered as KeyDiff's
+    wrong = kc.Pairing("KnormPress", "keydiff", "", "")  # Knorm's outputs offered as KeyDiff's
     _candidate_folder(tmp_path, wrong, GOLDEN)
     code = main(["golden", "check", str(tmp_path), "--against", str(GOLDEN), "--kind", "vectors",
                  "--policies", "keydiff", "--default-params"])
@@ -213,10 +215,10 @@ def test_golden_check_cli_on_one_shot_cases_in_low_precision(dtype, tmp_path, ca
     The candidate files carry ``computed_dtype`` and their declarations; SnapKV's are also
     given as flags, which the report says override the file.
     """
-    for press, pairing in ka.PAIRINGS.items():
-        built = [c for s, c in ka.cases_for(pairing, dtype, FOLDERS) if s == "built"]
+    for press, pairing in kc.PAIRINGS.items():
+        built = [c for s, c in ko.cases_for(pairing, dtype, FOLDERS) if s == "built"]
         if press in ("ObservedAttentionPress", "TOVAPress") or any(
-                ka.outcome(pairing, c, dtype) != "pass" for c in built):
+                ko.outcome(pairing, c, dtype) != "pass" for c in built):
             continue  # transformed scores / a decision that differs by design / known failures: see above
         cand = tmp_path / press
         _candidate_folder(cand, pairing, FOLDERS["built"], dtypes=(dtype,))
@@ -266,7 +268,7 @@ def _press_kept(hf, press, tokens, budget) -> dict:
     """Per layer: the press's (Hkv, n) scores and (Hkv, N) kept positions, from kvpress's own hook."""
     record = {}
     press = copy.copy(press)
-    press.compression_ratio = ka.compression_ratio(len(tokens), budget)
+    press.compression_ratio = km.compression_ratio(len(tokens), budget)
     compress = type(press).compress
 
     def recording_compress(module, hidden_states, keys, values, attentions, kwargs):
@@ -369,17 +371,17 @@ def _page_block(begin: str, end: str) -> str:
 
 def test_docs_table_matches_the_outcomes():
     shown = _page_block(".. begin-table\n", ".. end-table\n").strip("\n")
-    expected = ka.table_rst(ka.tally(FOLDERS)).strip("\n")
+    expected = ko.table_rst(ko.tally(FOLDERS)).strip("\n")
     assert shown == expected, ("docs/oracle/kvpress.rst's table is stale; regenerate it with "
                                "`python -m refkv.interop.kvpress tests/golden` and paste:\n" + expected)
 
 
 def test_docs_list_every_press_and_defect():
     shown = _page_block(".. begin-how\n", ".. end-how\n").strip("\n")
-    assert shown == ka.how_rst().strip("\n"), ("docs/oracle/kvpress.rst's list of presses is stale; paste:\n"
-                                              + ka.how_rst())
+    assert shown == ko.how_rst().strip("\n"), ("docs/oracle/kvpress.rst's list of presses is stale; paste:\n"
+                                              + ko.how_rst())
     text = PAGE.read_text()
-    for defect in ka.DEFECTS:
+    for defect in ko.DEFECTS:
         assert defect.repro.strip() in text.replace("\n   ", "\n"), defect.press
 
 

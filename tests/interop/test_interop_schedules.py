@@ -163,25 +163,46 @@ def test_block_press_is_one_shot_for_independent_scores_only(prefill_goldens, tm
 
 
 # -- scorers whose kvpress form is not refkv's default policy under decoding ---------------------------------
-DIFFERS = {  # press -> (refkv policy, the first divergence the check reports, why)
+DIFFERS = {  # press -> (refkv policy, the first divergence the check reports, the table's status)
+    # scores the current token's query (the last buffered state) averaged over ALL query heads (refkv's
+    # all_heads=True, not its default group mean) and pads the current token with max+1: always kept
     "TOVAPress": ("tova", "kept-set difference beyond ties",
-                  "the press averages the last query's weights over all query heads (refkv's option "
-                  "all_heads=True), refkv's default over the KV head's group"),
+                  "differs by design (the current query over all heads: tova all_heads=True; the current token "
+                  "always kept)"),
+    # eager: the current step's weights only (one query), not H2O's accumulated sums, divided by n - j
     "ObservedAttentionPress": ("h2o", "kept-set difference beyond ties",
-                               "under DecodingPress the press sees only the current step's attention, not H2O's "
-                               "accumulated sums (and refkv's H2O keeps a recent window)"),
+                               "kvpress defect (one query's weights divided by n - j; H2O accumulates)"),
+    # the query statistics drop the first n_sink = 4 buffered states: at an interval of 4 none is left
     "ExpectedAttentionPress": ("expected_attention", "protected position evicted",
-                               "while decoding the press estimates queries from its buffered hidden states and "
-                               "protects no sink; refkv's policy is kvpress's one-shot form"),
+                               "kvpress defect (NaN scores: an interval <= n_sink leaves no query)"),
 }
 
 
 @pytest.mark.parametrize("press", list(DIFFERS))
 def test_scorers_that_differ_under_decoding_are_reported_at_round_0(press, tmp_path, capsys):
-    policy, kind, _why = DIFFERS[press]
+    policy, kind, _status = DIFFERS[press]
     code, report, _ = _run(kvpress.DecodingPress(getattr(kvpress, press)()), GOLDEN, tmp_path, policy, capsys,
                            golden_dtype="float32")
     assert code == 1 and f"first diverged at round 0 (decode step 4, 28 tokens seen, budget 16): {kind}" in report
+
+
+def test_why_tova_and_expected_attention_differ_at_round_0(tmp_path):
+    """The reasons of :data:`DIFFERS`, read from the candidates: TOVA keeps the token just fed in every layer
+    and head at every round; ExpectedAttention's scores are all NaN at every round."""
+    from refkv.oracle.endtoend import read_end_to_end
+
+    out = write_candidates(kvpress.DecodingPress(kvpress.TOVAPress()), GOLDEN, tmp_path / "t", policy="tova",
+                           golden_dtype="float32", progress=None)
+    (path,) = out["written"]
+    tova = read_end_to_end(path, candidate=True).arrays
+    golden = read_end_to_end(GOLDEN / pathlib.Path(path).relative_to(tmp_path / "t")).arrays
+    current = golden["round_position"] - 1                                                  # (R,) token just fed
+    assert (tova["kept"] == current[:, None, None, None]).any(axis=-1).all()
+    out = write_candidates(kvpress.DecodingPress(kvpress.ExpectedAttentionPress()), GOLDEN, tmp_path / "e",
+                           policy="expected_attention", golden_dtype="float32", progress=None)
+    (path,) = out["written"]
+    scores = read_end_to_end(path, candidate=True).arrays["scores"]  # (R, L, Hkv, C)
+    assert scores.size and torch.isnan(torch.from_numpy(scores)).all()
 
 
 def test_snapkv_cannot_run_decoding_rounds_shorter_than_its_window(tmp_path):
@@ -212,8 +233,8 @@ def outcome_table() -> dict:
     table["KnormPress", "BlockPress"] = "matches"
     table["KeyDiffPress", "BlockPress"] = "differs by design (block-wise selection over one-shot attention)"
     table["StreamingLLMPress", "DecodingPress"] = "kvpress defect (sink tokens evicted from the second round)"
-    for press in DIFFERS:
-        table[press, "DecodingPress"] = "differs from refkv's default (round 0)"
+    for press, (_, _, status) in DIFFERS.items():
+        table[press, "DecodingPress"] = status
     table["SnapKVPress", "DecodingPress"] = "cannot run (rounds shorter than its window)"
     return table
 

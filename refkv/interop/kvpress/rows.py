@@ -1,0 +1,150 @@
+"""Which position each cache row holds, found without trusting the press, and the candidate's arrays.
+
+After each step every row's key and value are matched bit for bit against the rows the
+layer held just before the press compressed it (presses gather rows unchanged); a row
+whose key changed (``KeyRerotationPress``) is matched by its value alone. A press that
+masks rows instead of removing them (``AdaKVPress``, ``CriticalAdaKVPress``: the rows
+stay, ``module.masked_key_indices`` names the evicted ones) keeps the unmasked rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["masked_rows", "match_rows", "snapshot", "stack"]
+
+
+def match_rows(keys, values, before_keys, before_values, before_positions) -> torch.Tensor:
+    """(Hkv, m) positions of the rows of ``keys``, ``values`` (Hkv, m, d), matched bit for bit to the rows before.
+
+    A row is matched by its key and value together (equal tokens give equal layer-0 values at
+    different positions; RoPE tells their keys apart); a row whose key changed (a press that
+    re-rotates keys) by its value alone; a row that matches nothing is -1. Equal values (an
+    equal token, layer 0) leave a value-only match ambiguous; ``KeyRerotationPress`` moves
+    the key of position ``p`` to row ``j`` by RoPE's rotation of ``j - p``, which turns the
+    first rotary pair (dimensions 0 and d/2, frequency 1) by ``j - p`` radians: the
+    candidate whose angle turned by that much is taken.
+    """
+    hkv, m, _ = values.shape
+
+    def raw(t, h):
+        return t[h].contiguous().view(torch.uint8).reshape(t.shape[1], -1).numpy()
+
+    out = torch.full((hkv, m), -1, dtype=torch.long)
+    for h in range(hkv):
+        both: dict[bytes, list[int]] = {}
+        alone: dict[bytes, list[int]] = {}
+        bk, bv = raw(before_keys, h), raw(before_values, h)
+        for i in range(bk.shape[0]):
+            both.setdefault(bk[i].tobytes() + bv[i].tobytes(), []).append(i)
+            alone.setdefault(bv[i].tobytes(), []).append(i)
+        used: set[int] = set()
+        k, v = raw(keys, h), raw(values, h)
+        pending, source = [], [-1] * m  # source[j]: the row before that row j holds
+        for j in range(m):
+            hits = [i for i in both.get(k[j].tobytes() + v[j].tobytes(), ()) if i not in used]
+            if hits:
+                used.add(hits[0])
+                source[j] = hits[0]
+            else:
+                pending.append(j)
+        for j in pending:
+            hits = [i for i in alone.get(v[j].tobytes(), ()) if i not in used]
+            if len(hits) > 1:
+                hits = [min(hits, key=lambda i: _turn_gap(keys[h, j], before_keys[h, i],
+                                                             j - int(before_positions[h, i])))]
+            if hits:
+                used.add(hits[0])
+                source[j] = hits[0]
+        for j, i in enumerate(source):
+            if i >= 0:
+                out[h, j] = before_positions[h, i]
+    return out
+
+
+def masked_rows(attention_module, n_kv_heads: int, n_rows: int) -> np.ndarray | None:
+    """(Hkv, n) bool: the rows a masking press evicted (``module.masked_key_indices``), or None.
+
+    ``AdaKVPress`` and ``CriticalAdaKVPress`` leave every row in the cache and name the
+    evicted ones (batch, head, row indices); kvpress's attention patch then hides them from
+    every later query. The mask is reset at each prefill and replaced at each compression.
+    """
+    indices = getattr(attention_module, "masked_key_indices", None)
+    if indices is None:
+        return None
+    _, heads, rows = indices
+    mask = np.zeros((n_kv_heads, n_rows), dtype=bool)
+    mask[heads.numpy(), rows.numpy()] = True
+    return mask
+
+
+def _turn_gap(key_now, key_before, turn: int) -> float:
+    """How far the first rotary pair's angle from ``key_before`` to ``key_now`` is from ``turn`` radians."""
+    half = key_now.shape[-1] // 2
+    now, was = key_now.double(), key_before.double()
+    delta = torch.atan2(now[half], now[0]) - torch.atan2(was[half], was[0]) - turn
+    return float(torch.remainder(delta + torch.pi, 2 * torch.pi) - torch.pi) ** 2
+
+
+def snapshot(cache, positions, before, scores_now, n_layers, masks=None) -> list:
+    """Per layer: the positions, keys and values of the rows the layer holds, and the round's scores.
+
+    A layer with a mask (:func:`masked_rows`) holds, per head, its unmasked rows in their
+    order: heads may then hold different counts, the shorter padded with position -1.
+    """
+    per = []
+    for layer in range(n_layers):
+        pos = positions[layer].numpy().copy()                                             # (Hkv, m)
+        keys = cache.layers[layer].keys[0].detach().to(torch.float64).numpy().copy()      # (Hkv, m, d)
+        values = cache.layers[layer].values[0].detach().to(torch.float64).numpy().copy()
+        mask = None if masks is None else masks.get(layer)
+        if mask is not None:
+            pos, keys, values = _unmasked(pos, keys, values, mask)
+        scored = scores_now.get(layer)
+        score_pos = before[layer][2].numpy() if scored is not None else None
+        per.append((pos, keys, values, None if scored is None else scored.numpy(), score_pos))
+    return per
+
+
+def _unmasked(pos, keys, values, mask):
+    """Each head's unmasked rows, in order, padded to the widest head: (Hkv, m'), (Hkv, m', d) twice."""
+    hkv, _, d = keys.shape
+    width = int((~mask).sum(axis=1).max())
+    out_pos = np.full((hkv, width), -1, dtype=pos.dtype)
+    out_keys, out_values = np.zeros((hkv, width, d)), np.zeros((hkv, width, d))
+    for h in range(hkv):
+        rows = np.flatnonzero(~mask[h])
+        out_pos[h, :len(rows)], out_keys[h, :len(rows)], out_values[h, :len(rows)] = pos[h, rows], keys[h, rows], \
+            values[h, rows]
+    return out_pos, out_keys, out_values
+
+
+def stack(records, logits, dtype) -> dict:
+    n_rounds, n_layers = len(records), len(records[0]) if records else 0
+    hkv = records[0][0][0].shape[0] if records else 0
+    d = records[0][0][1].shape[2] if records else 0
+    width = max((r[0].shape[1] for rec in records for r in rec), default=0)
+    c_width = max((r[3].shape[1] for rec in records for r in rec if r[3] is not None), default=0)
+    kept = np.full((n_rounds, n_layers, hkv, width), -1, dtype=np.int64)
+    counts = np.zeros((n_rounds, n_layers), dtype=np.int64)
+    row_keys = np.zeros((n_rounds, n_layers, hkv, width, d))
+    row_values = np.zeros((n_rounds, n_layers, hkv, width, d))
+    scores = np.full((n_rounds, n_layers, hkv, c_width), np.nan)
+    score_pos = np.full((n_rounds, n_layers, hkv, c_width), -1, dtype=np.int64)
+    for r, rec in enumerate(records):
+        for layer, (pos, keys, values, s, sp) in enumerate(rec):
+            m = pos.shape[1]
+            kept[r, layer, :, :m] = pos
+            counts[r, layer] = m
+            row_keys[r, layer, :, :m] = keys
+            row_values[r, layer, :, :m] = values
+            if s is not None and s.shape == sp.shape:
+                scores[r, layer, :, :s.shape[1]] = s
+                score_pos[r, layer, :, :sp.shape[1]] = sp
+    out = {"kept": kept, "kept_count": counts, "row_keys": row_keys, "row_values": row_values,
+           "logits": logits.astype(np.float64 if dtype == "float64" else np.float32)}
+    if c_width:
+        out.update(scores=scores, score_positions=score_pos)
+    return out
+
