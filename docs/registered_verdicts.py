@@ -81,9 +81,22 @@ def tables(results: Path) -> dict[str, list[dict]]:
     }
 
 
+def _busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
+
+
 def run_cost(results: Path) -> list[dict]:
     """Per experiment file: registered cells, core-minutes (the records' CPU time) and wall
-    minutes (first cell's start to last cell's end, from ``finished_utc`` and ``wall_time_s``)."""
+    minutes: the time during which at least one of its cells ran (the union of the cells'
+    intervals, from ``finished_utc`` and ``wall_time_s``), so that a pause between two phases
+    of one experiment (the passkey calibration and its test phase ran hours apart) is not
+    counted as the run's time."""
     rows, total_cpu, total_wall, total_cells = [], 0.0, 0.0, 0
     for name in EXPERIMENTS:
         records = [r for r in read_records(results / f"{name}.jsonl") if r["params"].get("design") == "registered"
@@ -93,7 +106,7 @@ def run_cost(results: Path) -> list[dict]:
         ends = [datetime.fromisoformat(r["finished_utc"].replace("Z", "+00:00")).timestamp() for r in records]
         starts = [end - r["wall_time_s"] for end, r in zip(ends, records)]
         cpu = sum(r["cpu_time_s"] for r in records) / 60
-        wall = (max(ends) - min(starts)) / 60
+        wall = _busy_seconds(list(zip(starts, ends))) / 60
         rows.append({"experiment": name, "cells": len(records), "core_minutes": round(cpu, 1),
                      "wall_minutes": round(wall, 1)})
         total_cpu, total_wall, total_cells = total_cpu + cpu, total_wall + wall, total_cells + len(records)

@@ -243,3 +243,11 @@ def test_the_run_block_reads_calibration_choices_and_cost(tmp_path):
     text = module.run_block(tmp_path)
     assert "60/60 at 512 tokens, 58/60 at 1,024 tokens" in text and "**L = 1,024**" in text
     assert "``mat:beta=16,shallow_layers=2``" in text and "   * - passkey\n     - 720\n     - 70.5" in text
+
+
+def test_the_run_wall_time_counts_only_while_a_cell_runs():
+    # The passkey calibration and its test phase ran hours apart: the pause is not the run's time.
+    module = _verdicts_script()
+    assert module._busy_seconds([(0.0, 10.0), (5.0, 12.0), (20.0, 25.0)]) == 17.0  # overlap counted once
+    assert module._busy_seconds([(0.0, 10.0), (2.0, 3.0)]) == 10.0                # nested
+    assert module._busy_seconds([]) == 0.0
