@@ -155,8 +155,8 @@ TEMPLATES = {
 * **finding one fact far back in a long prompt**: no policy, at an eighth of the prompt, on
   this 135M model. In the registered run (60 prompts of {reg_length} tokens, a needle at a random
   depth in varied text, ``N = {reg_budget}``; without eviction {reg_full}) KeyDiff answered
-  {reg_keydiff_blocks} with blocks of 128, SnapKV {reg_snapkv_blocks} ({reg_snapkv_oneshot} in one shot), TOVA {reg_tova_blocks}
-  and H2O {reg_h2o_blocks}. (An exploratory test whose repeated filler makes the needle the most
+  {reg_keydiff_blocks} with blocks of 128, SnapKV {reg_snapkv_blocks} ({reg_snapkv_oneshot} in one shot),
+  TOVA {reg_tova_blocks} and H2O {reg_h2o_blocks}. (An exploratory test whose repeated filler makes the needle the most
   distinctive key had KeyDiff answer {keydiff_range}.)
 * **a kernel that never forms the attention weights** (FlashAttention-style): KeyDiff,
   HashEvict, MAT, L2 norm, ExpectedAttention or sink need none; TOVA and SnapKV read only
@@ -205,9 +205,9 @@ retrieving one fact needed more).
   first**; no policy was safe at an eighth of the prompt. In the registered run (60 prompts
   of {reg_length} tokens, the needle at a random depth in varied text, :math:`N = {reg_budget}`; without
   eviction {reg_full}) KeyDiff answered {reg_keydiff_blocks} with blocks of 128, SnapKV {reg_snapkv_blocks}
-  and {reg_snapkv_oneshot} in one shot, TOVA {reg_tova_blocks} and H2O {reg_h2o_blocks} (:doc:`experiments`): the advantage
-  KeyDiff's paper reports is not seen on this 135M model. In an earlier exploratory test ({prompts} prompts, a repeated filler,
-  so that the needle was the most distinctive key by construction) KeyDiff answered {keydiff_blocks}
+  and {reg_snapkv_oneshot} in one shot, TOVA {reg_tova_blocks} and H2O {reg_h2o_blocks}
+  (:doc:`experiments`): the advantage KeyDiff's paper reports is not seen on this 135M
+  model. In an earlier exploratory test ({prompts} prompts, a repeated filler, so that the needle was the most distinctive key by construction) KeyDiff answered {keydiff_blocks}
   with blocks of 128 and {keydiff_oneshot} in one shot, against {full_passkey} without eviction.
   KeyDiff raised perplexity far more than the attention-based policies ({reg_l1_range} more than
   SnapKV, TOVA and H2O on {reg_texts} texts in the registered run; {keydiff_128} at :math:`N = 128` in the
