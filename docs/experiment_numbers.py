@@ -207,7 +207,8 @@ retrieving one fact needed more).
   eviction {reg_full}) KeyDiff answered {reg_keydiff_blocks} with blocks of 128, SnapKV {reg_snapkv_blocks}
   and {reg_snapkv_oneshot} in one shot, TOVA {reg_tova_blocks} and H2O {reg_h2o_blocks}
   (:doc:`experiments`): the advantage KeyDiff's paper reports is not seen on this 135M
-  model. In an earlier exploratory test ({prompts} prompts, a repeated filler, so that the needle was the most distinctive key by construction) KeyDiff answered {keydiff_blocks}
+  model. In an earlier exploratory test ({prompts} prompts, a repeated filler, so that the
+  needle was the most distinctive key by construction) KeyDiff answered {keydiff_blocks}
   with blocks of 128 and {keydiff_oneshot} in one shot, against {full_passkey} without eviction.
   KeyDiff raised perplexity far more than the attention-based policies ({reg_l1_range} more than
   SnapKV, TOVA and H2O on {reg_texts} texts in the registered run; {keydiff_128} at :math:`N = 128` in the
