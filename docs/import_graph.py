@@ -14,7 +14,8 @@ no other refkv module, floor k imports something on floor k-1 and nothing higher
 the floors bottom-up, one row each, with the edges between them.
 
 This is maintainers' tooling (issue 25 asked for a picture of the house before and after); it
-needs matplotlib only for ``--png``.
+needs matplotlib only for ``--png``. ``tests/test_layering.py`` uses its :func:`import_graph`
+and :func:`find_cycle` to fail on any circle.
 """
 
 from __future__ import annotations
@@ -25,54 +26,91 @@ import pathlib
 import sys
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
+def _is_type_checking(test: ast.expr) -> bool:
+    """``if TYPE_CHECKING:`` or ``if typing.TYPE_CHECKING:`` (imports there never run)."""
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
-    """Absolute names ``tree`` imports (the module ``module``; packages resolve relative imports
-    from themselves)."""
-    package = module if is_package else module.rpartition(".")[0]
-    names: set[str] = set()
+def _runtime_imports(tree: ast.AST):
+    """Every Import/ImportFrom node of ``tree`` that can run: at module level, in a class or in a
+    function body, but not in the body of an ``if TYPE_CHECKING:`` block (its ``else`` counts)."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
             stack.extend(node.orelse)
             continue
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def import_graph(sources: dict[str, str], packages=frozenset()) -> dict[str, set[str]]:
+    """Module -> the modules of ``sources`` it imports, anywhere in its code (``TYPE_CHECKING`` aside).
+
+    ``sources`` maps each module's name to its code, a package's ``__init__`` under the
+    package's own name (``refkv.oracle``); ``packages`` names those. ``from X import name``
+    imports the module ``X.name`` when that is one of ``sources``, else ``X`` itself. Only
+    edges between modules of ``sources`` are kept. The implicit import of a module's parent
+    package is no edge: Python runs ``refkv/oracle/__init__.py`` before
+    ``refkv/oracle/vectors.py``, but a package importing its own submodules is no circle.
+    """
+    graph: dict[str, set[str]] = {}
+    for module, source in sources.items():
+        package = module if module in packages else module.rpartition(".")[0]
+        targets = set()
+        for node in _runtime_imports(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+                continue
             base = package
             for _ in range(node.level - 1):
                 base = base.rpartition(".")[0]
             target = node.module or ""
             if node.level:
                 target = f"{base}.{target}" if target else base
-            names.add(target)
-            names.update(f"{target}.{alias.name}" for alias in node.names)
-        stack.extend(ast.iter_child_nodes(node))
-    return names
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                targets.add(sub if sub in sources else target)
+        graph[module] = {t for t in targets if t in sources and t != module}
+    return graph
 
 
 def module_graph(package_dir: pathlib.Path) -> dict[str, set[str]]:
-    """``{module: modules it imports}`` over the package's modules (``pkg.__init__`` is ``pkg``)."""
+    """:func:`import_graph` of every module under ``package_dir`` (``pkg.__init__`` is ``pkg``)."""
     root = package_dir.parent
-    modules = {}
+    sources, packages = {}, set()
     for path in sorted(package_dir.rglob("*.py")):
         parts = path.relative_to(root).with_suffix("").parts
-        is_package = parts[-1] == "__init__"
-        name = ".".join(parts[:-1] if is_package else parts)
-        modules[name] = (path, is_package)
-    graph = {}
-    for name, (path, is_package) in modules.items():
-        imported = _imports(ast.parse(path.read_text(encoding="utf-8")), name, is_package)
-        # `from refkv.oracle import walk` names refkv.oracle.walk; `from .x import f` names x.f,
-        # which is no module: keep only names that are modules.
-        graph[name] = {m for m in imported if m in modules and m != name}
-    return graph
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if parts[-1] == "__init__":
+            packages.add(name)
+        sources[name] = path.read_text(encoding="utf-8")
+    return import_graph(sources, packages)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (its modules, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path of the depth-first search, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
 
 
 def room_of(module: str, top: str) -> str:

@@ -1,11 +1,26 @@
 """The library's layers: nothing under refkv/ imports the command line but the entry points."""
 
 import ast
+import importlib.util
 import pathlib
 
 import refkv
 
 PACKAGE = pathlib.Path(refkv.__file__).parent
+
+
+def _graph_tool():
+    """docs/import_graph.py, the maintainers' drawing of the house: its resolver is the one this
+    test trusts (a package importing its own submodules is no circle; TYPE_CHECKING never runs)."""
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "docs" / "import_graph.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GRAPH = _graph_tool()
+import_graph, find_cycle = GRAPH.import_graph, GRAPH.find_cycle
 ENTRY_POINTS = {PACKAGE / "cli.py", PACKAGE / "__main__.py"}
 
 
@@ -59,80 +74,6 @@ def test_no_core_module_imports_the_interop_adapters():
                                for name in _imported_modules(path.read_text(encoding="utf-8"), _module_name(path))))
     assert offenders == [], f"these core modules import refkv.interop: {offenders}"
     assert "refkv.interop" in _imported_modules("from ..interop import kvpress", "refkv.oracle.cli")
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    """``if TYPE_CHECKING:`` or ``if typing.TYPE_CHECKING:`` (imports there never run)."""
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _runtime_imports(tree: ast.AST):
-    """Every Import/ImportFrom node of ``tree`` that can run: at module level, in a class or in a
-    function body, but not in the body of an ``if TYPE_CHECKING:`` block (its ``else`` counts)."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-            continue
-        stack.extend(ast.iter_child_nodes(node))
-
-
-def import_graph(sources: dict[str, str], packages=frozenset()) -> dict[str, set[str]]:
-    """Module -> the modules of ``sources`` it imports, anywhere in its code (``TYPE_CHECKING`` aside).
-
-    ``sources`` maps each module's name to its code, a package's ``__init__`` under the
-    package's own name (``refkv.oracle``); ``packages`` names those. ``from X import name``
-    imports the module ``X.name`` when that is one of ``sources``, else ``X`` itself. Only
-    edges between modules of ``sources`` are kept. The implicit import of a module's parent
-    package is no edge: Python runs ``refkv/oracle/__init__.py`` before
-    ``refkv/oracle/vectors.py``, but a package importing its own submodules is no circle.
-    """
-    graph: dict[str, set[str]] = {}
-    for module, source in sources.items():
-        package = module if module in packages else module.rpartition(".")[0]
-        targets = set()
-        for node in _runtime_imports(ast.parse(source)):
-            if isinstance(node, ast.Import):
-                targets.update(alias.name for alias in node.names)
-                continue
-            base = package
-            for _ in range(node.level - 1):
-                base = base.rpartition(".")[0]
-            target = node.module or ""
-            if node.level:
-                target = f"{base}.{target}" if target else base
-            for alias in node.names:
-                sub = f"{target}.{alias.name}"
-                targets.add(sub if sub in sources else target)
-        graph[module] = {t for t in targets if t in sources and t != module}
-    return graph
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import circle of ``graph`` (its modules, the first repeated at the end), or None."""
-    state: dict[str, int] = {}  # 1: on the current path of the depth-first search, 2: done
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return [*path[path.index(nxt):], nxt]
-            if nxt not in state and (found := visit(nxt)):
-                return found
-        path.pop()
-        state[node] = 2
-        return None
-
-    for start in sorted(graph):
-        if start not in state and (found := visit(start)):
-            return found
-    return None
 
 
 def _library_graph() -> dict[str, set[str]]:
