@@ -184,12 +184,13 @@ DECODING_OUTCOMES = {
         "difference beyond ties"),
     ("TOVAPress", "CompressionRatioDecodingPress"): (_TOVA, _ROUND0(14, "kept-set difference beyond ties")),
     # eager: the current step's weights only (one query), not H2O's accumulated sums, divided by n - j; at
-    # PrefillDecodingPress's prefill the sums over the prompt divided by n - j (as under the prefill wrappers)
+    # PrefillDecodingPress's prefill the sums over the prompt divided by n - j and no recent window (the
+    # committed goldens' h2o has recent=None: half the budget)
     ("ObservedAttentionPress", "DecodingPress"): (_OBSERVED, _ROUND0(16, "kept-set difference beyond ties")),
     ("ObservedAttentionPress", "PrefillDecodingPress"): (
-        "differs by design at the prefill (h2o sums divided by n - j, the queries that saw token j); the decoding "
-        "rounds then have DecodingPress's defect", "first diverged at round 0 (prefill step 0, 24 tokens seen, "
-        "budget 16): protected position evicted"),
+        "differs by design at the prefill (no recent window: the golden's h2o protects the last N // 2 = 8 "
+        "tokens; sums divided by n - j); the decoding rounds then have DecodingPress's defect",
+        "first diverged at round 0 (prefill step 0, 24 tokens seen, budget 16): protected position evicted"),
     ("ObservedAttentionPress", "CompressionRatioDecodingPress"): (_OBSERVED,
                                                                  _ROUND0(14, "kept-set difference beyond ties")),
     # the query statistics drop the first n_sink = 4 buffered states (refkv: the queries at positions >=
