@@ -132,6 +132,47 @@ def test_cell(press, wrapper, dtype, goldens, tmp_path):
         assert seen != "pass" and cell.expect in seen, f"expected {cell.expect!r} in:\n{seen}"
 
 
+def test_adakv_snapkv_bfloat16_differs_only_by_a_cross_head_near_tie(goldens, tmp_path):
+    """The bfloat16 ``AdaKVPress(SnapKVPress)`` cell (:data:`GRID`): why one token moves between heads.
+
+    AdaKV keeps the top 32 scores of layer 0 over both KV heads together. refkv (float32) keeps
+    (head 1, position 33) and evicts (head 0, position 31) by a gap below bfloat16's unit
+    roundoff; the bfloat16 press computes the two scores as one value (its window mean is
+    refkv's window sum / 4) and ``topk`` takes head 0's. Within a head the bfloat16 tolerance
+    would take this swap for a tie; across heads the check compares the per-head counts
+    exactly (AdaKV's allocation has no tie rule), so the cell reports "kept count differs".
+    """
+    from refkv.oracle.endtoend import read_end_to_end
+    from refkv.oracle.tolerance import UNIT_ROUNDOFF, decision_tolerance, e2e_rtol
+
+    reference, policy = goldens("AdaKVPress", "SnapKVPress")
+    out = write_candidates(wrap("AdaKVPress", "SnapKVPress"), reference, tmp_path, policy=policy, dtype="bfloat16",
+                           progress=None, declare={"kept_only": True})
+    (path,) = out["written"]
+    golden = read_end_to_end(reference / pathlib.Path(path).relative_to(tmp_path))
+    g, c = golden.arrays, read_end_to_end(path, candidate=True).arrays
+
+    def kept(arrays):  # {(layer, head, position)} of the one round
+        return {(layer, head, int(p)) for layer, head, rows in
+                ((layer, head, arrays["kept"][0, layer, head]) for layer in range(4) for head in range(2))
+                for p in rows[rows >= 0]}
+    assert kept(g) - kept(c) == {(0, 1, 33)} and kept(c) - kept(g) == {(0, 0, 31)}
+    ours, theirs = g["scores"][0, 0], c["scores"][0, 0]                                # (Hkv, n) of layer 0
+    kept_by_us, evicted_by_us = ours[1, 33], ours[0, 31]
+    gap = kept_by_us - evicted_by_us
+    assert 0 < gap < UNIT_ROUNDOFF["bfloat16"] * evicted_by_us                         # 1.66e-4 (relative 1.7e-3)
+    assert theirs[0, 31] == theirs[1, 33]                                              # the same bfloat16 value
+    rtol = e2e_rtol(golden.manifest["tolerance"]["scores"]["rtol"], "float32", "bfloat16")
+    tol = decision_tolerance(ours[0], rtol)[31] + decision_tolerance(ours[1], rtol)[33]
+    assert gap <= tol                                                                  # a tie, were it in one head
+    # the cell's words are these numbers
+    status = GRID["SnapKVPress", "AdaKVPress", "bfloat16"].status
+    said = (f"{kept_by_us:.7f}", f"{evicted_by_us:.7f}", f"gap {gap:.2e}".replace("e-0", "e-"),
+            f"relative {gap / evicted_by_us:.1e}".replace("e-0", "e-"), f"both {theirs[0, 31]:.7f}",
+            f"tolerance {tol:.2f}")
+    assert all(words in status for words in said), said
+
+
 @pytest.mark.parametrize("defect", DEFECTS, ids=lambda d: d.name)
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="a defect of kvpress 0.5.5 (docs/oracle/kvpress.rst)")
 def test_defect_minimal_reproduction(defect):

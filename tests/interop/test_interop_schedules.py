@@ -29,11 +29,22 @@ from refkv.schedule import Schedule  # noqa: E402
 torch.set_num_threads(1)
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "golden"
 
-SCORERS = {"keydiff": lambda: kvpress.KeyDiffPress(), "knorm": lambda: kvpress.KnormPress()}
+SCORERS = {"keydiff": lambda: kvpress.KeyDiffPress(), "knorm": lambda: kvpress.KnormPress()}  # prefill wrappers
 DECODING = {
     "DecodingPress": lambda s: kvpress.DecodingPress(s()),
     "PrefillDecodingPress": lambda s: kvpress.PrefillDecodingPress(s(), kvpress.DecodingPress(s())),
     "CompressionRatioDecodingPress": lambda s: kvpress.CompressionRatioDecodingPress(s()),
+}
+#: The seven scorer presses run under every decoding wrapper: press -> (refkv policy, make, write options).
+DECODING_SCORERS = {
+    "KeyDiffPress": ("keydiff", lambda: kvpress.KeyDiffPress(), {}),
+    "KnormPress": ("knorm", lambda: kvpress.KnormPress(), {}),
+    # refkv's sink scores nothing: only the kept sets are compared
+    "StreamingLLMPress": ("sink", lambda: kvpress.StreamingLLMPress(n_sink=4), {"declare": {"kept_only": True}}),
+    "SnapKVPress": ("snapkv", lambda: kvpress.SnapKVPress(), {}),
+    "TOVAPress": ("tova", lambda: kvpress.TOVAPress(), {}),
+    "ObservedAttentionPress": ("h2o", lambda: kvpress.ObservedAttentionPress(), {}),
+    "ExpectedAttentionPress": ("expected_attention", lambda: kvpress.ExpectedAttentionPress(), {}),
 }
 
 
@@ -49,17 +60,6 @@ def _run(press, reference, tmp_path, policy, capsys, dtype="float32", **kwargs):
     capsys.readouterr()
     code = _check(tmp_path / "candidate", reference, policy, "--dtype", dtype)
     return code, capsys.readouterr().out, out
-
-
-@pytest.mark.parametrize("wrapper", list(DECODING))
-@pytest.mark.parametrize("scorer", list(SCORERS))
-def test_decoding_wrappers_match_refkv_every_round(scorer, wrapper, tmp_path, capsys):
-    code, report, out = _run(DECODING[wrapper](SCORERS[scorer]), GOLDEN, tmp_path, scorer, capsys)
-    assert code == 0, report
-    assert "rows' keys checked" in report and " 0 rows' keys checked" not in report
-    # each wrapper runs the goldens of its own schedule and says why it skips the others
-    assert all("kvpress treats a second prompt block as decoding" in why or "golden" in why
-               for why in out["skipped"].values())
 
 
 def test_decoding_press_in_bfloat16(tmp_path, capsys):
@@ -102,17 +102,6 @@ STREAMING_DEFECT = ("StreamingLLMPress keeps the first n_sink and last rows of t
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"kvpress 0.5.5 defect: {STREAMING_DEFECT}")
 def test_streaming_llm_defect_minimal_reproduction():
     exec(compile(STREAMING_REPRO, "<StreamingLLMPress repro>", "exec"), {})
-
-
-def test_streaming_llm_under_decoding_press_shows_the_defect(tmp_path, capsys):
-    """The defect above, found by the schedule goldens: right at the first compression, wrong from the second.
-
-    When kvpress fixes it, this fails (the check then passes) together with the strict xfail above.
-    """
-    code, report, _ = _run(kvpress.DecodingPress(kvpress.StreamingLLMPress(n_sink=4)), GOLDEN, tmp_path, "sink",
-                           capsys, declare={"kept_only": True})
-    assert code == 1
-    assert "first diverged at round 1" in report and "protected position evicted" in report, report
 
 
 # -- prefill wrappers on prefill-only schedule goldens ------------------------------------------------------
@@ -162,32 +151,95 @@ def test_block_press_is_one_shot_for_independent_scores_only(prefill_goldens, tm
     assert code == 1 and "kept-set difference beyond ties" in report
 
 
-# -- scorers whose kvpress form is not refkv's default policy under decoding ---------------------------------
-DIFFERS = {  # press -> (refkv policy, the first divergence the check reports, the table's status)
+# -- the seven scorers under the three decoding wrappers ------------------------------------------------------
+_ROUND0 = "first diverged at round 0 (decode step 4, 28 tokens seen, budget {}): {}".format
+_STREAMING = ("kvpress defect (sink tokens evicted from the second round)",
+              "first diverged at round 1 (decode step {}, {} tokens seen, budget 16): protected position evicted")
+_TOVA = "differs by design (the current query over all heads: tova all_heads=True; the current token always kept)"
+_OBSERVED = "kvpress defect (one query's weights divided by n - j; H2O accumulates)"
+_NAN = "kvpress defect (NaN scores: an interval <= n_sink leaves no query)"
+_WINDOW = "should be greater than the window size 64"
+#: ``(press, wrapper) -> (the table's status, expected)``: expected is "pass", a words of the check's
+#: report, or ``error: `` and the words of the error the press raises.
+DECODING_OUTCOMES = {
+    **{(p, w): ("matches", "pass") for p in ("KeyDiffPress", "KnormPress") for w in DECODING},
+    # the defect of test_streaming_llm_defect_minimal_reproduction: right at the first compression (the
+    # prefill's, under PrefillDecodingPress), wrong from the second
+    ("StreamingLLMPress", "DecodingPress"): (_STREAMING[0], _STREAMING[1].format(8, 32)),
+    ("StreamingLLMPress", "PrefillDecodingPress"): (_STREAMING[0], _STREAMING[1].format(16, 40)),
+    ("StreamingLLMPress", "CompressionRatioDecodingPress"): (_STREAMING[0], _STREAMING[1].format(8, 32)),
+    ("SnapKVPress", "DecodingPress"): ("cannot run (rounds of 4 queries are shorter than its window of 64)",
+                                       f"error: Query length 4 {_WINDOW}"),
+    ("SnapKVPress", "PrefillDecodingPress"): ("cannot run (the 48-token prompt is shorter than its window of 64)",
+                                              f"error: Query length 48 {_WINDOW}"),
+    ("SnapKVPress", "CompressionRatioDecodingPress"): ("cannot run (rounds of 4 queries are shorter than its "
+                                                       "window of 64)", f"error: Query length 4 {_WINDOW}"),
     # scores the current token's query (the last buffered state) averaged over ALL query heads (refkv's
-    # all_heads=True, not its default group mean) and pads the current token with max+1: always kept
-    "TOVAPress": ("tova", "kept-set difference beyond ties",
-                  "differs by design (the current query over all heads: tova all_heads=True; the current token "
-                  "always kept)"),
-    # eager: the current step's weights only (one query), not H2O's accumulated sums, divided by n - j
-    "ObservedAttentionPress": ("h2o", "kept-set difference beyond ties",
-                               "kvpress defect (one query's weights divided by n - j; H2O accumulates)"),
-    # the query statistics drop the first n_sink = 4 buffered states: at an interval of 4 none is left
-    "ExpectedAttentionPress": ("expected_attention", "protected position evicted",
-                               "kvpress defect (NaN scores: an interval <= n_sink leaves no query)"),
+    # all_heads=True, not its default group mean) and pads the current token with max+1: always kept; at
+    # PrefillDecodingPress's prefill the last prompt token's query and padding
+    ("TOVAPress", "DecodingPress"): (_TOVA, _ROUND0(16, "kept-set difference beyond ties")),
+    ("TOVAPress", "PrefillDecodingPress"): (
+        "differs by design (at the prefill already: the last token's query over all heads, the last token "
+        "always kept)", "first diverged at round 0 (prefill step 0, 24 tokens seen, budget 16): kept-set "
+        "difference beyond ties"),
+    ("TOVAPress", "CompressionRatioDecodingPress"): (_TOVA, _ROUND0(14, "kept-set difference beyond ties")),
+    # eager: the current step's weights only (one query), not H2O's accumulated sums, divided by n - j; at
+    # PrefillDecodingPress's prefill the sums over the prompt divided by n - j and no recent window (the
+    # committed goldens' h2o has recent=None: half the budget)
+    ("ObservedAttentionPress", "DecodingPress"): (_OBSERVED, _ROUND0(16, "kept-set difference beyond ties")),
+    ("ObservedAttentionPress", "PrefillDecodingPress"): (
+        "differs by design at the prefill (no recent window: the golden's h2o protects the last N // 2 = 8 "
+        "tokens; sums divided by n - j); the decoding rounds then have DecodingPress's defect",
+        "first diverged at round 0 (prefill step 0, 24 tokens seen, budget 16): protected position evicted"),
+    ("ObservedAttentionPress", "CompressionRatioDecodingPress"): (_OBSERVED,
+                                                                 _ROUND0(14, "kept-set difference beyond ties")),
+    # the query statistics drop the first n_sink = 4 buffered states (refkv: the queries at positions >=
+    # n_sink): at an interval of 4 none is left (NaN); at 16 twelve, so the prefill matches and round 1 differs
+    ("ExpectedAttentionPress", "DecodingPress"): (_NAN, _ROUND0(16, "protected position evicted")),
+    ("ExpectedAttentionPress", "PrefillDecodingPress"): (
+        "kvpress defect (the query statistics drop a round's first n_sink = 4 queries: the prefill matches, "
+        "the first decoding round differs)", "first diverged at round 1 (decode step 16, 40 tokens seen, budget "
+        "16): kept-set difference beyond ties"),
+    ("ExpectedAttentionPress", "CompressionRatioDecodingPress"): (_NAN, _ROUND0(14, "protected position evicted")),
 }
 
 
-@pytest.mark.parametrize("press", list(DIFFERS))
-def test_scorers_that_differ_under_decoding_are_reported_at_round_0(press, tmp_path, capsys):
-    policy, kind, _status = DIFFERS[press]
-    code, report, _ = _run(kvpress.DecodingPress(getattr(kvpress, press)()), GOLDEN, tmp_path, policy, capsys,
-                           golden_dtype="float32")
-    assert code == 1 and f"first diverged at round 0 (decode step 4, 28 tokens seen, budget 16): {kind}" in report
+@pytest.fixture(scope="module")
+def snapkv_ratio_golden(tmp_path_factory):
+    """The committed goldens hold no ratio schedule of snapkv: the keydiff one's (every 4 tokens to half the
+    tokens seen), made for snapkv on a 64-token prompt (refkv's snapkv window of 32 needs budgets above 32)."""
+    root = tmp_path_factory.mktemp("snapkv-ratio")
+    (root / "e2e" / "snapkv").mkdir(parents=True)
+    m, a = run_schedule_golden(policies.get("snapkv"), Schedule(None, None, 4, None, new_tokens=12, rule="ratio",
+                                                                 ratio=0.5), dtype="float32", prompt_length=64)
+    write_end_to_end(root / "e2e" / "snapkv" / "sched-oneshot-K4-ratio0.5-float32.json", m, a)
+    return root
+
+
+@pytest.mark.parametrize(("press", "wrapper"), [pytest.param(*k, id="-".join(k)) for k in DECODING_OUTCOMES])
+def test_decoding_wrappers(press, wrapper, request, tmp_path, capsys):
+    """Each scorer under each decoding wrapper, every round: matches, or fails the way its status says."""
+    policy, make, options = DECODING_SCORERS[press]
+    _, expected = DECODING_OUTCOMES[press, wrapper]
+    snapkv_ratio = (press, wrapper) == ("SnapKVPress", "CompressionRatioDecodingPress")
+    reference = request.getfixturevalue("snapkv_ratio_golden") if snapkv_ratio else GOLDEN
+    if expected.startswith("error: "):
+        with pytest.raises(AssertionError, match=expected.removeprefix("error: ")):
+            write_candidates(DECODING[wrapper](make), reference, tmp_path, policy=policy, progress=None, **options)
+        return
+    code, report, out = _run(DECODING[wrapper](make), reference, tmp_path, policy, capsys, **options)
+    # each wrapper runs the goldens of its own schedule and says why it skips the others
+    assert all("kvpress treats a second prompt block as decoding" in why or "golden" in why
+               for why in out["skipped"].values())
+    if expected == "pass":
+        assert code == 0, report
+        assert "rows' keys checked" in report and " 0 rows' keys checked" not in report
+    else:
+        assert code == 1 and expected in report, report
 
 
 def test_why_tova_and_expected_attention_differ_at_round_0(tmp_path):
-    """The reasons of :data:`DIFFERS`, read from the candidates: TOVA keeps the token just fed in every layer
+    """The reasons of :data:`DECODING_OUTCOMES`, read from the candidates: TOVA keeps the token just fed in every layer
     and head at every round; ExpectedAttention's scores are all NaN at every round."""
     from refkv.oracle.endtoend import read_end_to_end
 
@@ -221,10 +273,8 @@ CLASS = {"keydiff": "KeyDiffPress", "knorm": "KnormPress"}
 
 def outcome_table() -> dict:
     """``{(press, wrapper): status}`` of every combination the tests above run, with their asserted result."""
-    table = {}
+    table = {key: status for key, (status, _) in DECODING_OUTCOMES.items()}
     for scorer in SCORERS:
-        for wrapper in DECODING:
-            table[CLASS[scorer], wrapper] = "matches"
         for wrapper, (_, options, expected) in PREFILL.items():
             if wrapper != "bare":
                 declared = " (re-rotated keys declared)" if options else ""
@@ -232,10 +282,6 @@ def outcome_table() -> dict:
                                                  else f"differs by design ({expected})")
     table["KnormPress", "BlockPress"] = "matches"
     table["KeyDiffPress", "BlockPress"] = "differs by design (block-wise selection over one-shot attention)"
-    table["StreamingLLMPress", "DecodingPress"] = "kvpress defect (sink tokens evicted from the second round)"
-    for press, (_, _, status) in DIFFERS.items():
-        table[press, "DecodingPress"] = status
-    table["SnapKVPress", "DecodingPress"] = "cannot run (rounds shorter than its window)"
     return table
 
 
