@@ -86,11 +86,11 @@ def test_presses_run_on_the_committed_one_shot_goldens():
     """The committed suite's one-shot cases (``load_cases(mode="oneshot")``) reach every press that has them."""
     oneshot = load_cases(GOLDEN, mode="oneshot")
     assert oneshot
-    assert all(kc.case_mode(c) == "oneshot" and c.sizes["block"] == c.sizes["n"] for c in oneshot)
+    assert all(kc.prefill_mode(c) == "oneshot" and c.sizes["block"] == c.sizes["n"] for c in oneshot)
     for press in ("KeyDiffPress", "KnormPress", "StreamingLLMPress", "SnapKVPress"):
         pairing = kc.PAIRINGS[press]
         ran = [c for s, c in ko.cases_for(pairing, "float32", FOLDERS)
-               if s == "golden" and kc.case_mode(c) == "oneshot"]
+               if s == "golden" and kc.prefill_mode(c) == "oneshot"]
         assert ran, f"{press}: no committed one-shot float32 case with matching options"
 
 

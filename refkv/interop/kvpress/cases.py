@@ -15,8 +15,18 @@ from ...policies import select
 from ...testing import assert_case
 from .models import DTYPES, compression_ratio
 
-__all__ = ["CASE_DTYPE", "PAIRINGS", "Pairing", "ToleranceGap", "case_mode", "check", "file_declarations",
-           "pairing_candidate", "press_outputs", "reference_for"]
+__all__ = [
+    "CASE_DTYPE",
+    "PAIRINGS",
+    "Pairing",
+    "ToleranceGap",
+    "check",
+    "file_declarations",
+    "pairing_candidate",
+    "prefill_mode",
+    "press_outputs",
+    "reference_for",
+]
 
 
 # =====================================================================================================
@@ -74,8 +84,12 @@ def press_outputs(press, case, dtype: str = "float32") -> dict:
     return {"scores": scores[0].to(torch.float64).numpy(), "kept": kept}
 
 
-def case_mode(case) -> str:
-    """"oneshot" (the whole prompt was one block) or "block"."""
+def prefill_mode(case) -> str:
+    """"oneshot" (the whole prompt was one block) or "block".
+
+    Unlike ``refkv.testing.loading.case_mode`` (which reads a case without a stated ``mode`` as
+    block mode), a case without one counts as one-shot when its block spans all ``n``
+    candidates: what a press, which has no block prefill, can run on."""
     mode = getattr(case, "mode", None)
     if mode is not None:
         return mode
@@ -128,7 +142,7 @@ class Pairing:
 
     def runs_on(self, case) -> bool:
         """Whether the press can run on ``case`` and means the same as its policy options there."""
-        if case_mode(case) not in self.modes or case.stage != "after-attention":
+        if prefill_mode(case) not in self.modes or case.stage != "after-attention":
             return False
         defaults = {k: _json(v) for k, v in get_policy(case.policy_name).params().items()}
         wanted = {**defaults, **{k: _json(v) for k, v in self.params.items()}}

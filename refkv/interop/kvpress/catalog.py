@@ -212,7 +212,7 @@ PRESSES = {
     "ComposedPress": f"{_NOT_POLICY} (runs presses one after another; each is checked alone)",
     "CompactorPress": f"{_NOT_IMPL} (leverage scores blended with attention: no refkv policy)",
     "CompressionRatioDecodingPress": "matches (refkv golden generate --ratio; tests/interop/test_interop_schedules.py)",
-    "CriticalAdaKVPress": f"{_NOT_IMPL} (CriticalKV weights scores by |W_o v|_1; refkv's views hold no W_o)",
+    "CriticalAdaKVPress": f"{_NOT_IMPL} (CriticalKV weights scores by ``|W_o v|_1``; refkv's views hold no W_o)",
     "CriticalKVPress": f"{_NOT_IMPL} (needs W_o in the view, as CriticalAdaKVPress)",
     "CURPress": f"{_NOT_IMPL} (CUR leverage scores of keys and values: no refkv policy)",
     "DMSPress": f"{_NOT_POLICY} (learned: evicts by a trained threshold model)",
