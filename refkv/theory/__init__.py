@@ -2,8 +2,8 @@
 
 The policies compute closed forms (CAOTE Eq. 8, KeyDiff Eq. 8, ...); this module computes
 what those closed forms claim to equal or to optimise, by an independent route, so that the
-tests in ``tests/test_theory_*.py`` can compare the two. Nothing here is used by the engine.
-One module per paper, matching ``docs/theory/`` and ``tests/test_theory_*.py``; every name is
+tests in ``tests/theory/test_theory_*.py`` can compare the two. Nothing here is used by the engine.
+One module per paper, matching ``docs/theory/`` and ``tests/theory/test_theory_*.py``; every name is
 also importable from :mod:`refkv.theory` itself.
 
 CAOTE (:mod:`refkv.theory.caote`)
