@@ -21,7 +21,8 @@ recompute the verdicts: ``tests/experiments/test_experiment_registered_prompts.p
 (cells, core-minutes and wall minutes per experiment, from the records), ``choices.csv``
 (the calibrated length and MAT's chosen spec), and the two text blocks the results page
 includes, generated from those CSVs only: ``verdicts.inc`` (the verdicts in words and the
-verdict table) and ``run.inc`` (the calibration, the choices and the cost). Every rule lives
+verdict table), ``verdicts.svg`` (every comparison's interval, one panel per claim) and
+``run.inc`` (the calibration, the choices and the cost). Every rule lives
 in :mod:`refkv.experiments.registered`; this script only reads and writes.
 
 ``python docs/registered_verdicts.py --page`` rewrites only the two text blocks from the
@@ -228,12 +229,70 @@ def run_block(folder: Path) -> str:
     return "\n".join(text) + "\n"
 
 
+#: The figure's panel titles where the registration's measure is a sentence.
+SHORT_MEASURES = {"G1": "Spearman rho, key distinctness vs attention",
+                  "G2": "mean log det(K^T K) of the kept keys", "S1": "Pearson r, attention vs SimHash"}
+#: Colours of the verdicts in the figure.
+VERDICT_COLORS = {"holds": "tab:green", "reversed": "tab:red", "not resolved": "0.45"}
+
+
+def draw_verdicts(folder: Path = OUT) -> Path | None:
+    """``verdicts.svg``: every registered comparison of ``verdicts.csv`` as its estimate with
+    its 95% interval, one panel per claim (each claim has its own unit), a line at zero and
+    the budget-matched paper effect as a cross where the registration gives one; colour is
+    the verdict. Written from the CSV alone, like the page's blocks. None when there is no
+    verdict table yet."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _read(folder / "verdicts.csv")
+    if not rows:
+        return None
+    claims = list(dict.fromkeys(r["claim"] for r in rows))
+    design = {c["id"]: c for c in registration()["claims"]}
+    columns = 2
+    lines = [(len([r for r in rows if r["claim"] == c]) + 1.6) for c in claims]
+    heights = [max(lines[i], lines[i + 1] if i + 1 < len(lines) else 0) for i in range(0, len(lines), columns)]
+    fig, axes = plt.subplots(len(heights), columns, figsize=(11, 0.42 * sum(heights) + 0.6),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for ax, claim in zip(axes.flat, claims):
+        these = [r for r in rows if r["claim"] == claim]
+        for i, r in enumerate(these):
+            x, lo, hi = float(r["estimate"]), float(r["low"]), float(r["high"])
+            color = VERDICT_COLORS.get(r["verdict"], "black")
+            ax.errorbar(x, i, xerr=[[x - lo], [hi - x]], fmt="o", color=color, capsize=3, markersize=5)
+            if r["paper_effect"]:
+                ax.plot(float(r["paper_effect"]), i, "x", color="black", markersize=7)
+        ax.axvline(0.0, color="0.3", lw=0.8)
+        ax.set_yticks(range(len(these)), [_hypothesis(design[claim], r).rsplit(" ", 2)[0] for r in these],
+                      fontsize=8)
+        ax.set_ylim(len(these) - 0.4, -0.6)
+        measure = SHORT_MEASURES.get(claim, design[claim].get("measure", ""))
+        ax.set_title(f"{claim}: {measure} ({these[0]['n']} {these[0]['unit']})", fontsize=9, loc="left")
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(True, axis="x", alpha=0.3)
+    for ax in list(axes.flat)[len(claims):]:
+        ax.set_visible(False)
+    fig.suptitle("The registered verdicts: estimate and 95% interval per comparison (green holds, red reversed, "
+                 "grey not resolved; x: the paper's effect, matched to the budget)", fontsize=9)
+    fig.tight_layout()
+    data = io.BytesIO()
+    fig.savefig(data, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return atomic_write(folder / "verdicts.svg", data.getvalue())
+
+
 def write_page_blocks(folder: Path = OUT) -> None:
     """``verdicts.inc`` and ``run.inc`` from the CSVs in ``folder``."""
     design = registration()
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write(folder / "verdicts.inc", verdict_block(folder, design))
     atomic_write(folder / "run.inc", run_block(folder))
+    draw_verdicts(folder)
 
 
 def main(argv: list[str]) -> int:

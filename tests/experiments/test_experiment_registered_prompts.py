@@ -251,3 +251,21 @@ def test_the_run_wall_time_counts_only_while_a_cell_runs():
     assert module._busy_seconds([(0.0, 10.0), (5.0, 12.0), (20.0, 25.0)]) == 17.0  # overlap counted once
     assert module._busy_seconds([(0.0, 10.0), (2.0, 3.0)]) == 10.0                # nested
     assert module._busy_seconds([]) == 0.0
+
+
+def test_the_verdict_figure_is_drawn_from_the_verdict_table(tmp_path):
+    """docs/registered_verdicts.py draws every comparison of verdicts.csv, one panel per claim."""
+    import shutil
+
+    module = _verdicts_script()
+    folder = ROOT / "docs" / "_static" / "experiments" / "registered"
+    rows = module._read(folder / "verdicts.csv")
+    assert (folder / "verdicts.svg").exists() == bool(rows)
+    if not rows:
+        return
+    shutil.copy(folder / "verdicts.csv", tmp_path / "verdicts.csv")
+    svg = module.draw_verdicts(tmp_path).read_text(encoding="utf-8")
+    for claim in {r["claim"] for r in rows}:
+        assert f"{claim}: " in svg, claim
+    assert svg.count("<g id=\"axes_") >= len({r["claim"] for r in rows})
+    assert module.draw_verdicts(tmp_path / "nothing") is None
