@@ -184,7 +184,8 @@ retrieving one fact needed more).
          scale. Right: passkey accuracy at N = 256 per policy with Wilson 95% intervals.
    :width: 100%
 
-   Left: how much perplexity rises over no eviction ({reference}) on {texts} 1,024-token texts, at
+   The exploratory run (the registered run's verdicts are on :doc:`experiments`). Left: how
+   much perplexity rises over no eviction ({reference}) on {texts} 1,024-token texts, at
    budgets :math:`N` from {budget_low} to {budget_high} with blocks of :math:`B = 32`; bars are 95%
    intervals. Right: passkey accuracy ({prompts} prompts of 1-2K tokens, :math:`N = 256`),
    filled with block processing (:math:`B = 128`), open in one shot, with Wilson 95%
@@ -222,8 +223,8 @@ never forms them. How much that matters depends on how much of the matrix a poli
 
 * KeyDiff, HashEvict, MAT, L2 norm, ExpectedAttention and sink read no attention weights
   at all. Among those, sink ({sink_256} at :math:`N = 256`) and MAT ({mat_256}) kept perplexity
-  lowest and KeyDiff retrieval best; L2 norm was last on both ({knorm_256}, and no passkey
-  answered).
+  lowest and L2 norm was last ({knorm_256}, and no passkey answered) in the exploratory run;
+  KeyDiff retrieved best there, but not in the registered run (above).
 * TOVA reads one row of the matrix (the last query's) and SnapKV :math:`w` rows (its
   window's queries). A backend keeps the fused kernel for the attention output and
   recomputes those rows beside it, at :math:`O(w\\,n)` extra work; kvpress's
