@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import io
 import pathlib
 import sys
+
+from refkv.files import atomic_write
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -46,6 +49,18 @@ def _runtime_imports(tree: ast.AST):
         stack.extend(ast.iter_child_nodes(node))
 
 
+def absolute_target(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module ``from ... import`` reads from, in a module of ``package``
+    (``from ..files import x`` in ``refkv.oracle`` reads ``refkv.files``)."""
+    base = package
+    for _ in range(node.level - 1):
+        base = base.rpartition(".")[0]
+    target = node.module or ""
+    if node.level:
+        target = f"{base}.{target}" if target else base
+    return target
+
+
 def import_graph(sources: dict[str, str], packages=frozenset()) -> dict[str, set[str]]:
     """Module -> the modules of ``sources`` it imports, anywhere in its code (``TYPE_CHECKING`` aside).
 
@@ -64,12 +79,7 @@ def import_graph(sources: dict[str, str], packages=frozenset()) -> dict[str, set
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
                 continue
-            base = package
-            for _ in range(node.level - 1):
-                base = base.rpartition(".")[0]
-            target = node.module or ""
-            if node.level:
-                target = f"{base}.{target}" if target else base
+            target = absolute_target(node, package)
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
                 targets.add(sub if sub in sources else target)
@@ -229,10 +239,10 @@ def draw(graph: dict[str, set[str]], levels: dict[str, int], out: pathlib.Path, 
     for side in ("top", "right", "bottom"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()
-    tmp = out.with_name(out.name + ".tmp")
-    fig.savefig(tmp, dpi=110, format="png")
+    data = io.BytesIO()
+    fig.savefig(data, dpi=110, format="png")
     plt.close(fig)
-    tmp.replace(out)
+    atomic_write(out, data.getvalue())
 
 
 def main(argv: list[str]) -> int:
@@ -243,6 +253,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", metavar="PREFIX", help="keep only the modules under PREFIX (e.g. refkv.oracle)")
     args = parser.parse_args(argv)
     package = pathlib.Path(args.package).resolve()
+    if not (package / "__init__.py").is_file():
+        parser.error(f"package must be a folder holding __init__.py, got {args.package}")
     graph = module_graph(package)
     modules = len(graph)
     if args.rooms:
@@ -250,6 +262,8 @@ def main(argv: list[str]) -> int:
     elif args.only:
         keep = {m for m in graph if m == args.only or m.startswith(args.only + ".")}
         graph = {m: graph[m] & keep for m in keep}
+        if not graph:
+            parser.error(f"--only must name a module or package of {package.name}, got {args.only}")
     edges = sum(len(t) for t in graph.values())
     found = circles(graph)
     levels = floors(graph)

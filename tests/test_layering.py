@@ -33,12 +33,7 @@ def _imported_modules(source: str, module: str) -> set[str]:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = package
-            for _ in range(node.level - 1):
-                base = base.rpartition(".")[0]
-            target = node.module or ""
-            if node.level:
-                target = f"{base}.{target}" if target else base
+            target = GRAPH.absolute_target(node, package)
             names.add(target)
             names.update(f"{target}.{alias.name}" for alias in node.names)  # `from refkv import cli`
     return names
