@@ -19,7 +19,7 @@ from .io import sha256, write_json, write_npz
 from .schema import header
 
 __all__ = ["DECODE_RULE", "MODELS", "PROMPT_RULE", "WEIGHTS_RULE", "build_model", "decode_tokens", "export_weights",
-           "prompt_tokens"]
+           "is_checkpoint", "prompt_tokens"]
 
 #: How a golden's prompt is drawn from its seed (:func:`prompt_tokens`).
 PROMPT_RULE = "numpy.random.default_rng(seed).integers(0, vocab_size, length)"
@@ -48,6 +48,13 @@ def build_model(name: str, seed: int, dtype) -> Model:
     if name not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
     return MODELS[name](seed, np.dtype(dtype).name)
+
+
+def is_checkpoint(manifest: dict) -> bool:
+    """Whether an end-to-end golden ran a real checkpoint rather than one of :data:`MODELS`
+    (its coarse-dtype tolerance is then :data:`refkv.oracle.tolerance.E2E_RTOL`'s ``checkpoint`` row)."""
+    model = manifest.get("model") if isinstance(manifest, dict) else None
+    return not (isinstance(model, dict) and model.get("builder", "tiny") in MODELS)
 
 
 def prompt_tokens(seed: int, length: int, vocab_size: int) -> np.ndarray:

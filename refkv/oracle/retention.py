@@ -20,7 +20,7 @@ tolerance 0), and the rule says so.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -239,6 +239,17 @@ def compare_uneven(actual: list, desired: list, scores, *, positions, protected,
         np.concatenate([offsets[h] + desired[h] for h in range(hkv)]), *flat, rule=rule,
         where=f"heads pooled ({state})",
         tolerance=None if tol is None else np.concatenate([tol[h, :lengths[h]] for h in range(hkv)]))
+    if swap is not None:
+        # Name the heads: the pooled row's positions alone do not say which head moved.
+        moved_in = [h for h in range(hkv) if swap.kept_position in positions[h, actual[h]]
+                    and swap.kept_position not in positions[h, desired[h]]]
+        moved_out = [h for h in range(hkv) if swap.dropped_position in positions[h, desired[h]]
+                     and swap.dropped_position not in positions[h, actual[h]]]
+        if moved_in and moved_out:
+            heads = (f"head {moved_in[0]}" if moved_in[0] == moved_out[0] else
+                     f"kept in head {moved_in[0]}, evicted from head {moved_out[0]}")
+            swap = replace(swap, where=f"heads pooled, {heads} ({state})")
+            message = swap.describe() if status is Status.FAIL else message
     if status is Status.TIE:
         result.ties.append(swap)
     elif status is Status.FAIL:

@@ -37,11 +37,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..formatting import format_position_set
+from ..policies.base import Policy
 from ..validation import check_float
 from .arrays import as_array, fmt
 from .declare import Declarations
-from .endtoend import fingerprints
-from .retention import compare_kept
+from .endtoend import fingerprints, policy_from_manifest
+from .models import is_checkpoint
+from .retention import compare_kept, compare_uneven
 from .status import Status
 from .tolerance import check_dtype_name, decision_tolerance, e2e_rtol, scaled_atol, tolerance_rule
 from .walk import EndToEndResult, compare_final_logits, downstream
@@ -91,8 +93,9 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
     golden_dtype = manifest.get("dtype", "float64")
     name = check_dtype_name(dtype) or golden_dtype
     tol = manifest["tolerance"]
-    rtol = factor * e2e_rtol(tol["scores"]["rtol"], golden_dtype, name)
-    p_rtol = factor * e2e_rtol(tol["prints"]["rtol"], golden_dtype, name)
+    real = is_checkpoint(manifest)
+    rtol = factor * e2e_rtol(tol["scores"]["rtol"], golden_dtype, name, checkpoint=real)
+    p_rtol = factor * e2e_rtol(tol["prints"]["rtol"], golden_dtype, name, checkpoint=real)
     res = ScheduleResult(form="every round")
     res.notes += decl.lines()
     if factor != 1.0:
@@ -135,6 +138,7 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
     cand_pos, cand_n = reference["candidates"], reference["candidate_count"]
     scores, protected = reference["scores"], reference["protected"]
     d_head = int(manifest["model"]["config"]["d_head"])
+    across = allocates_across_heads(manifest)
 
     taint: list[tuple[int, int]] = []
 
@@ -153,15 +157,38 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
             k = int(counts_r[r, l])
             found = len(res.divergences)
             tie_here = False
-            if int(counts_c[r, l]) != k:
+            kc = int(counts_c[r, l])
+            # A budget allocated across heads (AdaKV) may widen the widest head by a tie: the
+            # pooled comparison below checks the layer's total instead.
+            if kc != k and not across:
                 diverge(r, l, None, "kept count differs", f"round {r}, layer {l}: candidate holds "
                         f"{int(counts_c[r, l])} tokens per head, the reference {k}")
                 taint.append((r, l))
                 continue
             c = int(cand_n[r, l])
+            pooled = None
+            if across and c:
+                pooled = _pooled_heads(kept_c[r, l, :, :kc], kept_r[r, l, :, :k], cand_pos[r, l, :, :c],
+                                       scores[r, l, :, :c], protected[r, l, :, :c], rtol, rule)
+                if pooled is not None and pooled.failure:
+                    swap = pooled.swap
+                    kind = ("protected position evicted" if swap is not None and swap.dropped_protected
+                            else "kept count differs" if pooled.failure.startswith("the layer's total differs")
+                            else "kept-set difference beyond ties")
+                    diverge(r, l, None, kind, f"round {r}, layer {l}: {pooled.failure}")
+                    taint.append((r, l))
+                    continue
+                if pooled is not None and pooled.ties:
+                    res.ties.extend(pooled.ties)
+                    tie_here = True
+                    if strict_ties:
+                        diverge(r, l, None, "kept-set difference beyond ties",
+                                "strict ties: " + pooled.ties[0].describe())
+                        taint.append((r, l))
+                        continue
             for h in range(hkv):
                 where = f"round {r}, layer {l}, head {h}"
-                a_rows, r_pos = kept_c[r, l, h, :k], kept_r[r, l, h, :k]
+                a_rows, r_pos = kept_c[r, l, h, :kc], kept_r[r, l, h, :k]
                 # A head of an uneven budget (AdaKV, PyramidKV) holds fewer tokens than the widest
                 # head of its layer: -1 pads its row (after the real positions, in the reference).
                 a_real, r_pos = a_rows[a_rows >= 0], r_pos[r_pos >= 0]
@@ -170,12 +197,12 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
                     diverge(r, l, h, "kept-set difference beyond ties",
                             f"{where}: candidate rows claim a position twice ({format_position_set(a_real)})")
                     continue
-                if len(a_real) != len(r_pos):
+                if pooled is None and len(a_real) != len(r_pos):  # (pooled: compared above)
                     diverge(r, l, h, "kept count differs",
                             f"{where}: candidate holds {len(a_real)} tokens in this head, the reference "
                             f"{len(r_pos)} (an uneven budget allocated differently)")
                     continue
-                if not np.array_equal(a_set, r_pos):
+                if pooled is None and not np.array_equal(a_set, r_pos):
                     if c == 0:
                         diverge(r, l, h, "kept-set difference beyond ties",
                                 f"{where}: kept positions differ but the reference did not evict in this round "
@@ -224,9 +251,49 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
     if any(int(steps[tr]) < final or (before and int(steps[tr]) == final) for tr, _ in taint):
         res.logits = "not compared (downstream of an accepted tie)"
         return res
-    compare_final_logits(res, candidate, reference, factor * e2e_rtol(tol["logits"]["rtol"], golden_dtype, name),
-                         check_dtype, "final logits (after every round matched)")
+    logits_rtol = factor * e2e_rtol(tol["logits"]["rtol"], golden_dtype, name, checkpoint=real)
+    compare_final_logits(res, candidate, reference, logits_rtol, check_dtype,
+                         "final logits (after every round matched)")
     return res
+
+
+def allocates_across_heads(manifest: dict) -> bool:
+    """Whether the golden's policy allocates a layer's budget across its KV heads (it overrides
+    ``head_budgets``, as AdaKV does): its kept sets are then compared with the heads pooled."""
+    try:
+        policy = policy_from_manifest(manifest)
+    except (KeyError, TypeError, ValueError):
+        return False
+    return type(policy).head_budgets is not Policy.head_budgets
+
+
+def _pooled_heads(kept_c, kept_r, cand_pos, scores, protected, rtol, rule):
+    """One layer's kept sets with its KV heads pooled (a budget allocated across heads).
+
+    A token may move from one head to another when the allocation is one selection over
+    the layer's scores (AdaKV): the layer's kept ``(head, position)`` pairs are compared as
+    one set, a move between heads accepted only within the tie threshold of the two
+    reference scores (:func:`refkv.oracle.retention.compare_uneven`). Returns None where a
+    head holds a position that was not among the round's candidates on one side only (the
+    per-head comparison then reports it), else the :class:`RetentionResult`.
+    """
+    hkv = kept_r.shape[0]
+    actual, desired, lengths = [], [], []
+    for h in range(hkv):
+        pos_row = cand_pos[h][cand_pos[h] >= 0]               # this head's candidates (-1 pads uneven heads)
+        a, d = np.sort(kept_c[h][kept_c[h] >= 0]), kept_r[h][kept_r[h] >= 0]
+        in_a, in_d = np.isin(a, pos_row), np.isin(d, pos_row)
+        if not np.array_equal(a[~in_a], d[~in_d]) or len(np.unique(a)) != len(a):
+            return None
+        actual.append(np.searchsorted(pos_row, a[in_a]))
+        desired.append(np.searchsorted(pos_row, d[in_d]))
+        lengths.append(len(pos_row))
+    width = cand_pos.shape[1]
+    tolerance = np.zeros((hkv, width))
+    for h, n_h in enumerate(lengths):
+        tolerance[h, :n_h] = decision_tolerance(scores[h, :n_h], rtol)
+    return compare_uneven(actual, desired, scores, positions=cand_pos, protected=protected,
+                          lengths=np.asarray(lengths), tolerance=tolerance, rule=rule)
 
 
 def _final_step(manifest: dict) -> int:

@@ -36,6 +36,7 @@ from ..formatting import format_ranges
 from ..validation import check_float
 from .arrays import Mismatch, as_array, compare_arrays, fmt
 from .declare import Declarations
+from .models import is_checkpoint
 from .retention import compare_kept
 from .status import Outcome, Status
 from .tolerance import (
@@ -77,7 +78,8 @@ def compare_end_to_end(candidate: dict, reference: dict, manifest: dict, *, dtyp
     golden_dtype = manifest.get("dtype", "float64")
     name = check_dtype_name(dtype) or golden_dtype
     tol = manifest["tolerance"]
-    rtol = factor * e2e_rtol(tol["scores"]["rtol"], golden_dtype, name)
+    real = is_checkpoint(manifest)
+    rtol = factor * e2e_rtol(tol["scores"]["rtol"], golden_dtype, name, checkpoint=real)
     res = EndToEndResult(form="final only" if final_only else "per block")
     res.notes += decl.lines()
     if factor != 1.0:
@@ -96,8 +98,8 @@ def compare_end_to_end(candidate: dict, reference: dict, manifest: dict, *, dtyp
     if any(tb < last or (before and tb == last) for tb, _ in ties_at):
         res.logits = "not compared (downstream of an accepted tie)"
         return res
-    compare_final_logits(res, candidate, reference, factor * e2e_rtol(tol["logits"]["rtol"], golden_dtype, name),
-                         check_dtype, "logits")
+    logits_rtol = factor * e2e_rtol(tol["logits"]["rtol"], golden_dtype, name, checkpoint=real)
+    compare_final_logits(res, candidate, reference, logits_rtol, check_dtype, "logits")
     return res
 
 

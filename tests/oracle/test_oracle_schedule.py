@@ -327,3 +327,51 @@ def test_fingerprint_separates_keys():
     prints = fingerprints(keys, 16)
     gaps = np.abs(prints[:, None] - prints[None, :])[~np.eye(40, dtype=bool)]
     assert gaps.min() > 1e-4  # far above every tolerance
+
+
+def _move_between_heads(a, r=0, l=0):
+    """The reference's own arrays with one token moved across heads at (round r, layer l): the
+    head keeping the layer's lowest-scored kept token (not protected) evicts it, another head keeps its
+    highest-scored evicted candidate instead (the layer's total unchanged)."""
+    kept, counts = a["kept"].copy(), a["kept_count"].copy()
+    c = int(a["candidate_count"][r, l])
+    hkv = kept.shape[2]
+    held = [(float(a["scores"][r, l, h, j]), h, int(p)) for h in range(hkv)
+            for j, p in enumerate(a["candidates"][r, l, h, :c])
+            if p >= 0 and p in kept[r, l, h] and not a["protected"][r, l, h, j]]
+    out = [(float(a["scores"][r, l, h, j]), h, int(p)) for h in range(hkv)
+           for j, p in enumerate(a["candidates"][r, l, h, :c]) if p >= 0 and p not in kept[r, l, h]]
+    _, h_out, p_out = min(held)
+    _, h_in, p_in = max(x for x in out if x[1] != h_out)
+    kept = np.concatenate([kept, np.full(kept.shape[:3] + (1,), -1, dtype=kept.dtype)], axis=3)
+    row = kept[r, l, h_out]
+    row[:] = np.concatenate([row[row != p_out], [-1]])
+    row = kept[r, l, h_in]
+    n_in = int((row >= 0).sum())
+    row[n_in] = p_in
+    counts[r, l] = max(counts[r, l], n_in + 1)
+    return {"kept": kept, "kept_count": counts, "logits": a["logits"]}, (h_out, p_out), (h_in, p_in)
+
+
+def test_a_token_moving_between_heads_is_compared_with_the_heads_pooled():
+    """AdaKV allocates a layer's budget across its heads: a token moving from one head to another
+    is a tie when the two reference scores are within tolerance, and named as such; beyond it,
+    a kept-set difference naming both heads (not a per-head count difference)."""
+    m, a = run_schedule_golden(policies.get("adakv", base="snapkv", base_params={"window": 4}), Schedule(None, 12, 1, 12, new_tokens=0))
+    cand, (h_out, p_out), (h_in, p_in) = _move_between_heads(a)
+    assert h_out != h_in
+    tie = compare_schedule(cand, a, m, tolerance_factor=1e8)
+    assert tie.ok, tie.failure
+    assert [s.where.split(" (")[0] for s in tie.ties] == [f"heads pooled, kept in head {h_in}, evicted from head {h_out}"]
+    assert (tie.ties[0].kept_position, tie.ties[0].dropped_position) == (p_in, p_out)
+    fail = compare_schedule(cand, a, m, tolerance_factor=1e-9)
+    assert not fail.ok
+    assert [d.kind for d in fail.divergences] == ["kept-set difference beyond ties"]
+    assert f"kept in head {h_in}, evicted from head {h_out}" in fail.failure
+    strict = compare_schedule(cand, a, m, tolerance_factor=1e8, strict_ties=True)
+    assert not strict.ok and "strict ties" in strict.failure
+    # the same move in a policy whose heads keep their own budgets is a count difference per head
+    m_even, a_even = run_schedule_golden(policies.get("keydiff"), Schedule(None, 12, 1, 12, new_tokens=0))
+    moved, _, _ = _move_between_heads(a_even)
+    even = compare_schedule(moved, a_even, m_even, tolerance_factor=1e8)
+    assert not even.ok and even.divergences[0].kind == "kept count differs"

@@ -41,7 +41,9 @@ The package, by concern: :mod:`~refkv.interop.kvpress.models` (refkv's weights i
 golden and running it), :mod:`~refkv.interop.kvpress.rows` (which position each cache row
 holds), :mod:`~refkv.interop.kvpress.cases` (one decision on refkv's vector cases),
 :mod:`~refkv.interop.kvpress.outcomes` (kvpress's defects the cases expose, the docs
-table) and :mod:`~refkv.interop.kvpress.catalog` (every kvpress press and its status).
+table), :mod:`~refkv.interop.kvpress.catalog` (every kvpress press and its status) and
+:mod:`~refkv.interop.kvpress.amplification` (the measurement behind the bfloat16 and
+float16 end-to-end tolerances).
 """
 
 from .models import hf_model
