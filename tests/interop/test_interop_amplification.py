@@ -8,6 +8,8 @@ stops seeing defects (the ratio of unit roundoffs gave 6.55 in bfloat16, under w
 ObservedAttentionPress's decoding defect and TOVAPress's always-kept token passed as ties).
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,8 @@ from refkv.oracle.models import MODELS, build_model, is_checkpoint, prompt_token
 from refkv.oracle.tolerance import E2E_MARGIN, E2E_RTOL, UNIT_ROUNDOFF, e2e_rtol  # noqa: E402
 
 torch.set_num_threads(1)
+#: ``REFKV_TEST_DEVICE=cuda`` measures the coarse runs on a GPU (its kernels' own rounding).
+DEVICE = os.environ.get("REFKV_TEST_DEVICE", "cpu")
 COARSE = ("bfloat16", "float16")
 
 
@@ -32,7 +36,7 @@ def built_in():
         for seed, length in ((1, 48), (3, 200)):
             prompt = prompt_tokens(seed, length, model.config.vocab_size)
             for dtype in COARSE:
-                out[dtype] = max(out[dtype], max(measure_amplification(model, prompt, dtype).values()))
+                out[dtype] = max(out[dtype], max(measure_amplification(model, prompt, dtype, device=DEVICE).values()))
     return out
 
 
@@ -48,7 +52,7 @@ def test_built_in_tolerance_is_the_measured_amplification_with_its_margin(built_
 @pytest.mark.parametrize("dtype", COARSE)
 def test_checkpoint_tolerance_is_smollm2s_measured_amplification(smollm2, smollm2_tokenizer, dtype):
     prompt = smollm2_tokenizer.encode(english_prose(4000))[:256]
-    got = measure_amplification(smollm2, prompt, dtype)
+    got = measure_amplification(smollm2, prompt, dtype, device=DEVICE)
     measured, stated = max(got.values()), E2E_RTOL["checkpoint"][dtype]
     assert 2 * measured <= stated <= 16 * measured, (dtype, got, stated)
     # a real model's attention is what amplifies most (its keys move far less)

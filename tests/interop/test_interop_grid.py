@@ -20,6 +20,7 @@ it for ``PerLayerCompressionPress``, kvpress's own pyramid for ``PyramidKVPress`
 
 import contextlib
 import io
+import os
 import pathlib
 
 import pytest
@@ -44,6 +45,10 @@ from refkv.interop.kvpress.catalog import (  # noqa: E402
 from refkv.oracle.endtoend import write_end_to_end  # noqa: E402
 from refkv.oracle.recorder import run_schedule_golden  # noqa: E402
 from refkv.schedule import Schedule  # noqa: E402
+
+#: Where the presses run: ``REFKV_TEST_DEVICE=cuda`` runs them on a GPU (the outcomes asserted are
+#: the CPU's; a GPU run shows where its kernels' arithmetic decides differently).
+DEVICE = os.environ.get("REFKV_TEST_DEVICE", "cpu")
 
 torch.set_num_threads(1)
 PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "oracle" / "kvpress.rst"
@@ -112,7 +117,7 @@ def observe(wrapper, press, dtype, goldens, tmp_path) -> str:
         options["row_keys"] = False
     try:
         write_candidates(wrap(wrapper, press), reference, tmp_path / "candidate", policy=policy, dtype=dtype,
-                         progress=None, **options)
+                         progress=None, device=DEVICE, **options)
     except (AssertionError, ValueError, RuntimeError) as error:
         return f"error: {type(error).__name__}: {error}"
     report = io.StringIO()
@@ -147,7 +152,7 @@ def test_adakv_snapkv_bfloat16_moves_one_token_between_heads_by_a_near_tie(golde
 
     reference, policy = goldens("AdaKVPress", "SnapKVPress")
     out = write_candidates(wrap("AdaKVPress", "SnapKVPress"), reference, tmp_path, policy=policy, dtype="bfloat16",
-                           progress=None, declare={"kept_only": True})
+                           progress=None, device=DEVICE, declare={"kept_only": True})
     (path,) = out["written"]
     golden = read_end_to_end(reference / pathlib.Path(path).relative_to(tmp_path))
     g, c = golden.arrays, read_end_to_end(path, candidate=True).arrays
@@ -230,7 +235,7 @@ def test_adakv_press_on_smollm2(smollm2, tmp_path, capsys):
                                            prompt_length=64, model="smollm2", built=smollm2)
     write_end_to_end(folder / "smollm2.json", manifest, arrays)
     out = write_candidates(kvpress.AdaKVPress(kvpress.KeyDiffPress()), tmp_path / "goldens", tmp_path / "candidate",
-                           policy="adakv", progress=None)
+                           policy="adakv", progress=None, device=DEVICE)
     assert out["written"], out["skipped"]
     capsys.readouterr()
     code = main(["golden", "check", str(tmp_path / "candidate"), "--against", str(tmp_path / "goldens"), "--kind",

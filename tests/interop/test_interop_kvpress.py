@@ -20,6 +20,7 @@ keeps it honest.
 """
 
 import copy
+import os
 import tempfile
 from pathlib import Path
 
@@ -39,6 +40,10 @@ from refkv.oracle.io import write_json  # noqa: E402
 from refkv.policies import available, select  # noqa: E402
 from refkv.policies import get as get_policy  # noqa: E402
 from refkv.testing import assert_case, assert_same_retention, load_cases  # noqa: E402
+
+#: Where the presses run: ``REFKV_TEST_DEVICE=cuda`` runs them on a GPU (the outcomes asserted are
+#: the CPU's; a GPU run shows where its kernels' arithmetic decides differently).
+DEVICE = os.environ.get("REFKV_TEST_DEVICE", "cpu")
 
 torch.set_num_threads(1)
 
@@ -63,7 +68,7 @@ def _items():
 @pytest.mark.parametrize("pairing, dtype, case", list(_items()))
 def test_press_agrees_with_refkv(pairing, dtype, case):
     try:
-        kc.check(pairing, case, dtype)
+        kc.check(pairing, case, dtype, DEVICE)
     except kc.ToleranceGap as gap:  # refkv's side, shown as an expected failure until its tolerance has the floor
         pytest.xfail(f"refkv float16 tolerance gap: {gap}")
 
@@ -106,7 +111,7 @@ def test_compression_ratio_keeps_exactly_the_budget():
 def test_the_path_rejects_a_wrong_press():
     """The check can fail: KnormPress's scores are not KeyDiff's."""
     case = load_cases(FOLDERS["built"], policy="keydiff", dtype="float32")[0]
-    out = kc.press_outputs(kvpress.KnormPress(), case, "float32")
+    out = kc.press_outputs(kvpress.KnormPress(), case, "float32", DEVICE)
     with pytest.raises(AssertionError, match="scores differ"):
         assert_case(case, scores=out["scores"], kept=out["kept"])
 
@@ -116,7 +121,7 @@ def test_refkv_default_tova_differs_from_the_press_on_gqa():
     tova = get_policy("tova")
     failures = 0
     for case in load_cases(FOLDERS["built"], policy="tova", flags=("gqa",)):
-        out = kc.press_outputs(kvpress.TOVAPress(), case, "float64")
+        out = kc.press_outputs(kvpress.TOVAPress(), case, "float64", DEVICE)
         n = case.sizes["n"]
         ours = tova.score(case.view())
         failures += not np.allclose(out["scores"][:, :n - 1], ours[:, :n - 1], rtol=1e-6)
@@ -126,7 +131,7 @@ def test_refkv_default_tova_differs_from_the_press_on_gqa():
 def test_snapkv_scores_are_a_positive_multiple_of_refkv():
     """The declaration SnapKV needs is true and needed: press = refkv / w off the window, not equal."""
     for case in load_cases(FOLDERS["built"], policy="snapkv", dtype="float64"):
-        out = kc.press_outputs(kc.PAIRINGS["SnapKVPress"].make(case), case, "float64")
+        out = kc.press_outputs(kc.PAIRINGS["SnapKVPress"].make(case), case, "float64", DEVICE)
         w = case.params["window"]
         ref = case.outputs["scores"][:, :-w]
         np.testing.assert_allclose(out["scores"][:, :-w] * w, ref, rtol=1e-12, atol=1e-15)
@@ -136,7 +141,7 @@ def test_snapkv_scores_are_a_positive_multiple_of_refkv():
 
 def test_observed_attention_is_h2o_sums_divided_by_the_query_count():
     for case in load_cases(FOLDERS["built"], policy="h2o", dtype="float64"):
-        out = kc.press_outputs(kvpress.ObservedAttentionPress(), case, "float64")
+        out = kc.press_outputs(kvpress.ObservedAttentionPress(), case, "float64", DEVICE)
         n = case.sizes["n"]
         np.testing.assert_allclose(out["scores"], case.outputs["scores"] / np.arange(n, 0, -1), rtol=1e-12)
 
@@ -156,7 +161,7 @@ def test_each_defect_is_exposed_by_golden_cases(defect):
     for dtype in km.DTYPES:
         exposed = [c for _, c in ko.cases_for(pairing, dtype, FOLDERS) if defect.applies_to(c)]
         expected = "defect" if dtype in defect.dtypes else "pass"
-        assert all(ko.outcome(pairing, c, dtype) == expected for c in exposed), dtype
+        assert all(ko.outcome(pairing, c, dtype, DEVICE) == expected for c in exposed), dtype
         found += len(exposed) if dtype in defect.dtypes else 0
     assert found > 0
 
@@ -174,7 +179,7 @@ def _candidate_folder(root, pairing, folder, dtypes=None) -> int:
         for _, case in ko.cases_for(pairing, dtype, {"only": folder}):
             if ko.defect_for(pairing.press, dtype, case):
                 continue
-            outputs[case.id] = kc.pairing_candidate(pairing, case, dtype)
+            outputs[case.id] = kc.pairing_candidate(pairing, case, dtype, DEVICE)
             cases.append(case)
             computed.add(dtype)
     doc = {**candidate_document(pairing.policy, outputs),
@@ -189,7 +194,7 @@ def test_golden_check_cli_agrees_with_the_api_on_the_committed_suite(press, tmp_
     pairing = kc.PAIRINGS[press]
     assert _candidate_folder(tmp_path, pairing, GOLDEN) > 0
     defaults = {c.id for c in load_cases(GOLDEN, policy=pairing.policy, params=get_policy(pairing.policy).params())}
-    outcomes = [ko.outcome(pairing, c, c.dtype) for d in ("float64", "float32")
+    outcomes = [ko.outcome(pairing, c, c.dtype, DEVICE) for d in ("float64", "float32")
                 for _, c in ko.cases_for(pairing, d, {"golden": GOLDEN}) if c.id in defaults]
     code = main(["golden", "check", str(tmp_path), "--against", str(GOLDEN), "--kind", "vectors",
                  "--policies", pairing.policy, "--default-params"])
@@ -218,7 +223,7 @@ def test_golden_check_cli_on_one_shot_cases_in_low_precision(dtype, tmp_path, ca
     for press, pairing in kc.PAIRINGS.items():
         built = [c for s, c in ko.cases_for(pairing, dtype, FOLDERS) if s == "built"]
         if press in ("ObservedAttentionPress", "TOVAPress") or any(
-                ko.outcome(pairing, c, dtype) != "pass" for c in built):
+                ko.outcome(pairing, c, dtype, DEVICE) != "pass" for c in built):
             continue  # transformed scores / a decision that differs by design / known failures: see above
         cand = tmp_path / press
         _candidate_folder(cand, pairing, FOLDERS["built"], dtypes=(dtype,))
@@ -371,7 +376,7 @@ def _page_block(begin: str, end: str) -> str:
 
 def test_docs_table_matches_the_outcomes():
     shown = _page_block(".. begin-table\n", ".. end-table\n").strip("\n")
-    expected = ko.table_rst(ko.tally(FOLDERS)).strip("\n")
+    expected = ko.table_rst(ko.tally(FOLDERS, DEVICE)).strip("\n")
     assert shown == expected, ("docs/oracle/kvpress.rst's table is stale; regenerate it with "
                                "`python -m refkv.interop.kvpress tests/golden` and paste:\n" + expected)
 

@@ -11,6 +11,7 @@ that matches must pass, a difference by design must fail the way it is described
 kvpress defect is a strict expected failure with its minimal reproduction.
 """
 
+import os
 import pathlib
 
 import pytest
@@ -27,6 +28,9 @@ from refkv.oracle.recorder import run_schedule_golden  # noqa: E402
 from refkv.schedule import Schedule  # noqa: E402
 
 torch.set_num_threads(1)
+#: Where the presses run: ``REFKV_TEST_DEVICE=cuda`` runs them on a GPU (the outcomes asserted are
+#: the CPU's; a GPU run shows where its kernels' arithmetic decides differently).
+DEVICE = os.environ.get("REFKV_TEST_DEVICE", "cpu")
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "golden"
 
 SCORERS = {"keydiff": lambda: kvpress.KeyDiffPress(), "knorm": lambda: kvpress.KnormPress()}  # prefill wrappers
@@ -55,7 +59,7 @@ def _check(candidate, reference, policy, *extra) -> int:
 
 def _run(press, reference, tmp_path, policy, capsys, dtype="float32", **kwargs):
     out = write_candidates(press, reference, tmp_path / "candidate", policy=policy, dtype=dtype, progress=None,
-                           **kwargs)
+                           device=DEVICE, **kwargs)
     assert out["written"], out["skipped"]
     capsys.readouterr()
     code = _check(tmp_path / "candidate", reference, policy, "--dtype", dtype)
@@ -71,7 +75,7 @@ def test_decoding_press_in_bfloat16(tmp_path, capsys):
 def test_a_wrong_press_is_located_at_its_first_round(tmp_path, capsys):
     """Knorm's decisions offered as KeyDiff's: the report names the round, layer, head and kind."""
     out = write_candidates(kvpress.DecodingPress(kvpress.KnormPress()), GOLDEN, tmp_path / "c", policy="keydiff",
-                           progress=None)
+                           progress=None, device=DEVICE)
     assert out["written"]
     capsys.readouterr()
     assert _check(tmp_path / "c", GOLDEN, "keydiff") == 1
@@ -86,6 +90,7 @@ STREAMING_REPRO = """\
 import torch
 from types import SimpleNamespace
 from kvpress import StreamingLLMPress
+
 press = StreamingLLMPress(compression_ratio=0.5, n_sink=2)
 pos = torch.arange(8.0).reshape(1, 1, 8, 1)  # each row holds its position
 keys, values = press.compress(SimpleNamespace(head_dim=1), None, pos, pos, None, {})  # rows 1, 7, 6, 0
@@ -225,7 +230,8 @@ def test_decoding_wrappers(press, wrapper, request, tmp_path, capsys):
     reference = request.getfixturevalue("snapkv_ratio_golden") if snapkv_ratio else GOLDEN
     if expected.startswith("error: "):
         with pytest.raises(AssertionError, match=expected.removeprefix("error: ")):
-            write_candidates(DECODING[wrapper](make), reference, tmp_path, policy=policy, progress=None, **options)
+            write_candidates(DECODING[wrapper](make), reference, tmp_path, policy=policy, progress=None, device=DEVICE,
+                             **options)
         return
     code, report, out = _run(DECODING[wrapper](make), reference, tmp_path, policy, capsys, **options)
     # each wrapper runs the goldens of its own schedule and says why it skips the others
@@ -244,14 +250,14 @@ def test_why_tova_and_expected_attention_differ_at_round_0(tmp_path):
     from refkv.oracle.endtoend import read_end_to_end
 
     out = write_candidates(kvpress.DecodingPress(kvpress.TOVAPress()), GOLDEN, tmp_path / "t", policy="tova",
-                           golden_dtype="float32", progress=None)
+                           golden_dtype="float32", progress=None, device=DEVICE)
     (path,) = out["written"]
     tova = read_end_to_end(path, candidate=True).arrays
     golden = read_end_to_end(GOLDEN / pathlib.Path(path).relative_to(tmp_path / "t")).arrays
     current = golden["round_position"] - 1                                                  # (R,) token just fed
     assert (tova["kept"] == current[:, None, None, None]).any(axis=-1).all()
     out = write_candidates(kvpress.DecodingPress(kvpress.ExpectedAttentionPress()), GOLDEN, tmp_path / "e",
-                           policy="expected_attention", golden_dtype="float32", progress=None)
+                           policy="expected_attention", golden_dtype="float32", progress=None, device=DEVICE)
     (path,) = out["written"]
     scores = read_end_to_end(path, candidate=True).arrays["scores"]  # (R, L, Hkv, C)
     assert scores.size and torch.isnan(torch.from_numpy(scores)).all()
@@ -261,7 +267,7 @@ def test_snapkv_cannot_run_decoding_rounds_shorter_than_its_window(tmp_path):
     """kvpress's SnapKVPress needs more buffered queries than its window (64): every 4 tokens is refused."""
     with pytest.raises(AssertionError, match="should be greater than the window size 64"):
         write_candidates(kvpress.DecodingPress(kvpress.SnapKVPress()), GOLDEN, tmp_path, policy="snapkv",
-                         progress=None)
+                         progress=None, device=DEVICE)
 
 
 # -- the table of docs/oracle/decoding.rst, from the outcomes asserted above ---------------------------------

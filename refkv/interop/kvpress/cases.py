@@ -45,7 +45,7 @@ CASE_DTYPE = {"float64": "float64", "float32": "float32", "bfloat16": "float32",
 
 
 # -- the adapter -----------------------------------------------------------------------------
-def press_outputs(press, case, dtype: str = "float32") -> dict:
+def press_outputs(press, case, dtype: str = "float32", device: str = "cpu") -> dict:
     """Run ``press`` on one golden case, in torch ``dtype``; scores and kept columns, refkv's layout.
 
     Parameters
@@ -55,6 +55,8 @@ def press_outputs(press, case, dtype: str = "float32") -> dict:
     case : refkv.oracle.VectorCase
     dtype : {"float64", "float32", "bfloat16", "float16"}
         The inputs (keys, attention weights) are cast to it; the press computes in it.
+    device : str
+        The torch device the press computes on (``"cpu"``, ``"cuda"``).
 
     Returns
     -------
@@ -66,22 +68,23 @@ def press_outputs(press, case, dtype: str = "float32") -> dict:
     h, hkv, n, d, b = s["n_heads"], s["n_kv_heads"], s["n"], s["d_head"], s["block"]
     tdtype = DTYPES[dtype]
     view = case.view()
-    keys = torch.from_numpy(np.ascontiguousarray(view.keys))[None].to(tdtype)        # (1, Hkv, n, d)
+    keys = torch.from_numpy(np.ascontiguousarray(view.keys))[None].to(device, tdtype)  # (1, Hkv, n, d)
     attention = case.inputs.get("attention")                                         # (Hkv, g, B, n)
     if attention is not None:  # query head i*g + j is KV head i's j-th query (transformers' repeat_kv)
-        attention = torch.from_numpy(attention.reshape(h, b, n))[None].to(tdtype)    # (1, H, B, n)
+        attention = torch.from_numpy(attention.reshape(h, b, n))[None].to(device, tdtype)  # (1, H, B, n)
     module = SimpleNamespace(config=SimpleNamespace(num_attention_heads=h, num_key_value_heads=hkv),
                              head_dim=d, layer_idx=case.layer)
-    hidden_states = torch.zeros(1, b, 1, dtype=tdtype)  # only its length (q_len) is read by these presses
+    # only its length (q_len) is read by these presses
+    hidden_states = torch.zeros(1, b, 1, dtype=tdtype, device=device)
     press = copy.copy(press)
     press.compression_ratio = compression_ratio(n, min(case.budget, n))
     scores = press.score(module, hidden_states, keys, keys, attention, {})           # (1, Hkv, n)
     # kvpress's own selection (compute_n_kept, topk, gather): gather the column numbers.
-    columns = torch.arange(n, dtype=torch.float64).expand(1, hkv, d, n).transpose(2, 3).contiguous()
+    columns = torch.arange(n, dtype=torch.float64, device=device).expand(1, hkv, d, n).transpose(2, 3).contiguous()
     press.score = lambda *args, **kwargs: scores
     _, gathered = press.compress(module, hidden_states, keys, columns, attention, {})  # (1, Hkv, N, d)
-    kept = np.sort(gathered[0, :, :, 0].numpy().astype(np.int64), axis=1)
-    return {"scores": scores[0].to(torch.float64).numpy(), "kept": kept}
+    kept = np.sort(gathered[0, :, :, 0].cpu().numpy().astype(np.int64), axis=1)
+    return {"scores": scores[0].cpu().to(torch.float64).numpy(), "kept": kept}
 
 
 def prefill_mode(case) -> str:
@@ -243,7 +246,7 @@ class ToleranceGap(Exception):
 FLOAT16_SUBNORMAL_STEP, FLOAT16_TINY = 2.0 ** -24, 2.0 ** -14
 
 
-def check(pairing: Pairing, case, dtype: str) -> list:
+def check(pairing: Pairing, case, dtype: str, device: str = "cpu") -> list:
     """Run the press on ``case`` in ``dtype`` and check it with :func:`refkv.testing.assert_case`.
 
     Raises AssertionError where the press and refkv disagree beyond what is declared,
@@ -251,7 +254,7 @@ def check(pairing: Pairing, case, dtype: str) -> list:
     the accepted ties.
     """
     __tracebackhide__ = True
-    out = press_outputs(pairing.make(case), case, dtype)
+    out = press_outputs(pairing.make(case), case, dtype, device)
     options = {"dtype": dtype, "declare": pairing.declaration(case) or None}
     reference = reference_for(pairing, case)
     try:
@@ -275,9 +278,9 @@ def check(pairing: Pairing, case, dtype: str) -> list:
                            f"refkv's float16 tolerance has no absolute floor there") from failure
 
 
-def pairing_candidate(pairing: Pairing, case, dtype: str) -> dict:
+def pairing_candidate(pairing: Pairing, case, dtype: str, device: str = "cpu") -> dict:
     """The outputs of the press on ``case`` that a candidate file holds (what is compared)."""
-    return pairing.candidate(case, press_outputs(pairing.make(case), case, dtype))
+    return pairing.candidate(case, press_outputs(pairing.make(case), case, dtype, device))
 
 
 def file_declarations(pairing: Pairing, cases: list, dtype: str) -> dict:

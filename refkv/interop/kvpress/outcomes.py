@@ -156,10 +156,10 @@ def cases_for(pairing: Pairing, dtype: str, folders: dict) -> list:
     return out
 
 
-def outcome(pairing: Pairing, case, dtype: str) -> str:
+def outcome(pairing: Pairing, case, dtype: str, device: str = "cpu") -> str:
     """"pass", "defect" (kvpress, :data:`DEFECTS`), "gap" (refkv, :class:`ToleranceGap`) or "fail"."""
     try:
-        check(pairing, case, dtype)
+        check(pairing, case, dtype, device)
     except ToleranceGap:
         return "gap"
     except AssertionError:
@@ -167,13 +167,13 @@ def outcome(pairing: Pairing, case, dtype: str) -> str:
     return "pass"
 
 
-def tally(folders: dict) -> dict:
+def tally(folders: dict, device: str = "cpu") -> dict:
     """``{press: {dtype: (passed, total, defects, gaps)}}`` over every case the press runs on."""
     table = {}
     for press, pairing in PAIRINGS.items():
         row = {}
         for dtype in DTYPES:
-            results = [outcome(pairing, case, dtype) for _, case in cases_for(pairing, dtype, folders)]
+            results = [outcome(pairing, case, dtype, device) for _, case in cases_for(pairing, dtype, folders)]
             row[dtype] = (results.count("pass"), len(results), results.count("defect"), results.count("gap"))
         table[press] = row
     return table

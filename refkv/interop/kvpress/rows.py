@@ -75,7 +75,7 @@ def masked_rows(attention_module, n_kv_heads: int, n_rows: int) -> np.ndarray | 
         return None
     _, heads, rows = indices
     mask = np.zeros((n_kv_heads, n_rows), dtype=bool)
-    mask[heads.numpy(), rows.numpy()] = True
+    mask[heads.cpu().numpy(), rows.cpu().numpy()] = True
     return mask
 
 
@@ -96,14 +96,14 @@ def snapshot(cache, positions, before, scores_now, n_layers, masks=None) -> list
     per = []
     for layer in range(n_layers):
         pos = positions[layer].numpy().copy()                                             # (Hkv, m)
-        keys = cache.layers[layer].keys[0].detach().to(torch.float64).numpy().copy()      # (Hkv, m, d)
-        values = cache.layers[layer].values[0].detach().to(torch.float64).numpy().copy()
+        keys = cache.layers[layer].keys[0].detach().cpu().to(torch.float64).numpy().copy()  # (Hkv, m, d)
+        values = cache.layers[layer].values[0].detach().cpu().to(torch.float64).numpy().copy()
         mask = None if masks is None else masks.get(layer)
         if mask is not None:
             pos, keys, values = _unmasked(pos, keys, values, mask)
         scored = scores_now.get(layer)
         score_pos = before[layer][2].numpy() if scored is not None else None
-        per.append((pos, keys, values, None if scored is None else scored.numpy(), score_pos))
+        per.append((pos, keys, values, None if scored is None else scored.cpu().numpy(), score_pos))
     return per
 
 

@@ -116,8 +116,12 @@ def _scorers(press) -> list:
     return [p for p in _all_presses(press) if isinstance(p, kvpress.ScorerPress)]
 
 
-def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "float32", hf=None) -> dict:
+def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "float32", hf=None,
+              device: str = "cpu") -> dict:
     """Run ``press`` (already fitted, :func:`fit_press`) on a schedule golden; the candidate's arrays.
+
+    The model runs on torch ``device`` (``"cuda"`` for a GPU kernel's own arithmetic); what
+    is recorded is copied to the CPU after each step.
 
     Returns ``kept`` (R, L, Hkv, K) positions per cache row (in the rows' order),
     ``kept_count``, ``row_keys``, ``row_values`` (R, L, Hkv, K, d), ``logits`` and, when a
@@ -130,6 +134,7 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if hf is None:
         hf = hf_model(model_of(g.manifest), dtype, "eager" if needs_attention(press) else "sdpa")
+    hf = hf.to(device)
     prompt, new = g.arrays["prompt"], g.arrays["decode"]
     round_steps = [int(s) for s in g.arrays["round_step"]]
     n_layers = hf.config.num_hidden_layers
@@ -141,8 +146,8 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
 
     def pre_press(module, args, kwargs, output):       # runs before the press's hook (registered first)
         layer = module.layer_idx
-        keys = cache.layers[layer].keys[0].detach().clone()                         # (Hkv, n, d)
-        values = cache.layers[layer].values[0].detach().clone()
+        keys = cache.layers[layer].keys[0].detach().cpu().clone()                   # (Hkv, n, d)
+        values = cache.layers[layer].values[0].detach().cpu().clone()
         new_pos = torch.arange(step_positions["first"], step_positions["first"] + step_positions["count"])
         old = positions[layer] if positions[layer] is not None else torch.zeros(values.shape[0], 0, dtype=torch.long)
         pos = torch.cat([old, new_pos.expand(values.shape[0], -1)], dim=1)
@@ -158,7 +163,7 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
 
         def score(module, hidden_states, keys, values, attentions, kwargs):
             s = original(module, hidden_states, keys, values, attentions, kwargs)
-            scores_now[module.layer_idx] = s[0].detach().to(torch.float64).clone()
+            scores_now[module.layer_idx] = s[0].detach().cpu().to(torch.float64).clone()
             return s
         return score
 
@@ -172,12 +177,12 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
             for step, tokens in enumerate(feeds):
                 step_positions.update(first=first, count=len(tokens))
                 scores_now.clear()
-                ids = torch.tensor(np.asarray(tokens, dtype=np.int64)[None, :])
-                pos_ids = torch.arange(first, first + len(tokens))[None, :]
+                ids = torch.tensor(np.asarray(tokens, dtype=np.int64)[None, :], device=device)
+                pos_ids = torch.arange(first, first + len(tokens), device=device)[None, :]
                 out = hf(input_ids=ids, past_key_values=cache, position_ids=pos_ids, use_cache=True)
                 first += len(tokens)
                 for layer in range(n_layers):
-                    keys_now, values_now = cache.layers[layer].keys[0], cache.layers[layer].values[0]
+                    keys_now, values_now = cache.layers[layer].keys[0].cpu(), cache.layers[layer].values[0].cpu()
                     b_keys, b_values, b_pos = before[layer]
                     if torch.equal(keys_now, b_keys) and torch.equal(values_now, b_values):
                         positions[layer] = b_pos  # the press left the rows as they were
@@ -187,7 +192,7 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
                     masks = {layer: masked_rows(hf.model.layers[layer].self_attn, *positions[layer].shape)
                              for layer in range(n_layers)}
                     records.append(snapshot(cache, positions, before, scores_now, n_layers, masks))
-            logits = out.logits[0, -1].to(torch.float64).numpy()
+            logits = out.logits[0, -1].cpu().to(torch.float64).numpy()
     finally:
         for h in handles:
             h.remove()
@@ -223,7 +228,7 @@ def _layer_budgets(manifest: dict, schedule: Schedule) -> list[int] | None:
 
 def write_candidates(press, reference, out, *, policy: str, dtype: str = "float32",
                      golden_dtype: str | None = None, row_keys: bool = True, declare: dict | None = None,
-                     progress=print) -> dict:
+                     progress=print, device: str = "cpu") -> dict:
     """Run ``press`` on every schedule golden of ``policy`` under ``reference`` it can run; write candidates.
 
     Parameters
@@ -246,6 +251,8 @@ def write_candidates(press, reference, out, *, policy: str, dtype: str = "float3
     declare : dict, optional
         Declared differences written into the files (``{"kept_only": True}``: logits and
         scores not compared).
+    device : str
+        The torch device the model and the press run on (``"cpu"``, ``"cuda"``).
 
     Returns
     -------
@@ -270,8 +277,8 @@ def write_candidates(press, reference, out, *, policy: str, dtype: str = "float3
         attention = "eager" if needs_attention(fitted) else "sdpa"
         key = repr(g.manifest["model"].get("builder")), g.manifest["model"].get("seed"), attention
         if key not in models:
-            models[key] = hf_model(model_of(g.manifest), dtype, attention)
-        arrays = run_press(fitted, g, dtype=dtype, hf=models[key])
+            models[key] = hf_model(model_of(g.manifest), dtype, attention).to(device)
+        arrays = run_press(fitted, g, dtype=dtype, hf=models[key], device=device)
         if not row_keys:
             del arrays["row_keys"]
         manifest = {**header(E2E_SCHEMA, SCHEDULE_VERSION), "computed_dtype": dtype, **(
