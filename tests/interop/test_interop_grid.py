@@ -147,6 +147,8 @@ def test_adakv_snapkv_bfloat16_moves_one_token_between_heads_by_a_near_tie(golde
     heads are compared pooled, so the move is a tie within the two scores' bfloat16 tolerance
     (and a failure under ``--strict-ties``).
     """
+    if DEVICE != "cpu":  # bfloat16 arithmetic differs by device: the near tie falls elsewhere on a GPU
+        pytest.skip("the pinned numbers are the CPU's (on an H100 the move is at layer 1, head 0, position 38)")
     from refkv.oracle.endtoend import read_end_to_end
     from refkv.oracle.tolerance import UNIT_ROUNDOFF, decision_tolerance, e2e_rtol
 
