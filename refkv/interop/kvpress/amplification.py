@@ -10,17 +10,16 @@ model on the same prompt in ``transformers`` twice, in float64 and in the coarse
 (eager attention, the weights of every layer materialised), and comparing, per layer and
 KV head, the quantities the policies' scores are made of:
 
-==========================  ======================================================  ==========
-quantity                    computed (in the candidate's dtype)                     the score
-==========================  ======================================================  ==========
-``key norms``               ``||k_j||``                                             knorm
-``key cosines``             ``cos(k_j, mean of the head's keys)``                   keydiff
-``key fingerprints``        ``k_j . u`` (:data:`~refkv.oracle.endtoend.PRINT_RULE`)  the rows
-``attention column sums``   ``sum_i A[i, j]`` over the group's queries              h2o
-``last-query attention``    ``A[T-1, j]`` summed over the group                     tova
-``window attention``        ``sum`` of the last 4 queries' rows over the group      snapkv
-``logits``                  the last position's logits                              the logits
-==========================  ======================================================  ==========
+* ``key norms``: ``||k_j||`` (knorm's score);
+* ``key cosines``: ``cos(k_j, mean of the head's keys)`` (keydiff's);
+* ``key fingerprints``: ``k_j . u`` (:data:`~refkv.oracle.endtoend.PRINT_RULE`: what a
+  cache row is checked by);
+* ``attention column sums``: ``sum_i A[i, j]`` over the group's queries (h2o's);
+* ``last-query attention``: ``A[T-1, j]`` summed over the group (tova's);
+* ``window attention``: the last 4 queries' rows summed over the group (snapkv's);
+* ``logits``: the last position's logits.
+
+Each is computed in the candidate's dtype from that run's keys and attention weights.
 
 The deviation of a score is measured at the scale an end-to-end check gives it
 (:func:`refkv.oracle.tolerance.decision_tolerance`): ``|s_c - s_64| / max(|s_64|, m)``
