@@ -37,14 +37,21 @@ __all__ = ["DEFAULT_KEY_CHUNK", "DEFAULT_QUERY_CHUNK", "AttentionNeed", "Attenti
            "attend", "attend_summary", "attention_weights", "causal_logits", "softmax"]
 
 #: Keys per tile of the online-softmax route: large enough that NumPy's per-call
-#: overhead is amortised, small enough that a tile of a 128-query block stays in cache.
-DEFAULT_KEY_CHUNK = 1024
+#: overhead is amortised and a 2K-token prompt needs no rescaling between chunks, small
+#: enough that a (Hkv, g, 64, 2048) tile of logits (4.5 MiB on SmolLM2) stays in the
+#: last-level cache.
+DEFAULT_KEY_CHUNK = 2048
 #: Queries per tile of the tiled routes. A one-shot prefill of ``T`` tokens is walked as
-#: ``T / 128`` tiles, each over the keys it can see: the arithmetic and the tile shapes of
-#: blocks of 128, without their per-block projections. With all ``T`` queries in one
-#: tile, a (Hkv, g, T, key_chunk) tile of logits (150 MB at 4K tokens on SmolLM2) left the
-#: cache at every pass and one-shot prefill ran at about half the speed of blocks of 128.
-DEFAULT_QUERY_CHUNK = 128
+#: ``T / 64`` tiles, each over the keys it can see: the arithmetic of blocks of 64,
+#: without their per-block projections. With all ``T`` queries in one tile, a (Hkv, g,
+#: T, key_chunk) tile of logits (150 MB at 4K tokens on SmolLM2) left the cache at every
+#: pass and one-shot prefill ran at about half the speed of blocks of 128. Tiles of 64
+#: queries and chunks of 2,048 keys took 0.90 of the attention time of tiles of 128 and
+#: chunks of 1,024 in a one-shot prefill of 2K tokens (0.93 in blocks of 128): half the
+#: masked square on each tile's diagonal, and no second key chunk.
+DEFAULT_QUERY_CHUNK = 64
+#: log2(e): the tiled routes take the softmax in base 2 (see :func:`_attend`).
+LOG2_E = float(np.log2(np.e))
 
 
 @dataclass(frozen=True)
@@ -126,11 +133,17 @@ def causal_logits(q: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.nda
     -------
     (Hkv, g, B, n) array
     """
-    n_kv, n, d = k.shape
     # The scale goes on the queries, (H, B, d), not on the (Hkv, g, B, n) logits: one pass
     # over a small array instead of the largest one. For d = 64 or 256 the scale is a power
     # of two and the logits are the same to the bit.
-    qg = _group(q * (1.0 / float(np.sqrt(d))), n_kv)
+    return _masked_logits(q * (1.0 / float(np.sqrt(k.shape[-1]))), k, q_pos, k_pos)
+
+
+def _masked_logits(q_scaled: np.ndarray, k: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
+    """``q_scaled k^T``, (Hkv, g, B, n), with ``-inf`` where a key is in a query's future:
+    :func:`causal_logits` with the scale already on the queries (H, B, d)."""
+    n_kv, n, d = k.shape
+    qg = _group(q_scaled, n_kv)
     g, b = qg.shape[1], qg.shape[2]
     # The g query heads of a KV head, stacked, meet its keys in one product: (Hkv, g B, d) @
     # (Hkv, d, n). Broadcasting k over g instead would pack every key tile g times.
@@ -261,38 +274,47 @@ def _explain_non_finite(q, k, v) -> None:
 def _attend(q, k, v, q_pos, k_pos, return_weights: bool, key_chunk: int):
     """The weights route and the online-softmax route of one query tile (arguments as in
     :func:`attend`, already checked)."""
-    n_kv, n, d = k.shape
-    heads, b, _ = q.shape
+    n = k.shape[1]
+    heads, b, d = q.shape
+    if b == 1 and not return_weights:
+        return _attend_one_query(q, k, v, q_pos, k_pos), None
+    # Both routes take the softmax in base 2: softmax(x) = 2^(x log2(e) - max) / sum, with
+    # log2(e) folded into the query scale (a pass over (H, B, d), not over the logits) and
+    # exp2 for exp. NumPy's float32 exp2 takes half the time of its exp, and the
+    # exponential is the costliest elementwise pass of a layer (FlashAttention-2 does the
+    # same). The weights are those of attention_weights() up to the last bits.
+    q_scaled = q * (LOG2_E / float(np.sqrt(d)))  # (H, B, d)
     if return_weights:
-        logits = causal_logits(q, k, q_pos, k_pos)  # (Hkv, g, B, n)
+        logits = _masked_logits(q_scaled, k, q_pos, k_pos)  # (Hkv, g, B, n), in units of log2
         logits -= logits.max(axis=-1, keepdims=True)
-        p = np.exp(logits, out=logits)
-        total = p.sum(axis=-1, keepdims=True)  # (Hkv, g, B, 1)
+        p = np.exp2(logits, out=logits)
+        total = _row_sums(p)  # (Hkv, g, B, 1)
         out = _weighted_values(p, v) / total  # (Hkv, g, B, d)
         p /= total
         return out.reshape(heads, b, d), p  # (H, B, d), (Hkv, g, B, n)
 
-    if b == 1:
-        return _attend_one_query(q, k, v, q_pos, k_pos), None
     # Online softmax (FlashAttention): keep a running max m, normaliser l and
-    # unnormalised output acc; rescale them by exp(m_old - m_new) as each tile arrives.
-    # With a single tile this performs exactly the operations of the branch above.
-    qg = _group(q, n_kv)  # (Hkv, g, B, d)
-    m = np.full((n_kv, heads // n_kv, b, 1), -np.inf, dtype=q.dtype)  # running max, (Hkv, g, B, 1)
-    l = np.zeros_like(m)  # running normaliser, (Hkv, g, B, 1)
-    acc = np.zeros((n_kv, heads // n_kv, b, d), dtype=q.dtype)  # unnormalised output, (Hkv, g, B, d)
+    # unnormalised output acc, (Hkv, g, B, 1), (Hkv, g, B, 1) and (Hkv, g, B, d); rescale
+    # them by 2^(m_old - m_new) as each chunk of keys arrives. The first chunk has nothing
+    # to rescale, so a single chunk performs exactly the operations of the branch above.
+    m = l = acc = None
     for start in range(0, n, key_chunk):
         stop = min(start + key_chunk, n)
-        s = causal_logits(qg.reshape(heads, b, d), k[:, start:stop], q_pos, k_pos[:, start:stop])  # (Hkv, g, B, c)
-        m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+        s = _masked_logits(q_scaled, k[:, start:stop], q_pos, k_pos[:, start:stop])  # (Hkv, g, B, c), log2 units
+        m_new = s.max(axis=-1, keepdims=True) if m is None else np.maximum(m, s.max(axis=-1, keepdims=True))
         # A row whose keys so far are all in its future has m_new = -inf; keep it at 0.
         safe = np.where(np.isfinite(m_new), m_new, 0.0)
-        correction = np.exp(m - safe)
         s -= safe
-        p = np.exp(s, out=s)
-        l = l * correction + p.sum(axis=-1, keepdims=True)
-        acc = acc * correction + _weighted_values(p, v[:, start:stop])  # (Hkv, g, B, d)
+        p = np.exp2(s, out=s)
+        if m is None:
+            l, acc = _row_sums(p), _weighted_values(p, v[:, start:stop])
+        else:
+            correction = np.exp2(m - safe)
+            l = l * correction + _row_sums(p)
+            acc = acc * correction + _weighted_values(p, v[:, start:stop])  # (Hkv, g, B, d)
         m = m_new
+    if acc is None:  # no keys at all: 0 / 0, as a row that sees no key (attend reports it)
+        return np.full((heads, b, d), np.nan, dtype=np.result_type(q, v)), None
     return (acc / l).reshape(heads, b, d), None  # (H, B, d)
 
 
@@ -368,6 +390,15 @@ def _weighted_values(p: np.ndarray, v: np.ndarray) -> np.ndarray:
     (Hkv, g, B, d), as one (g B, n) @ (n, d) product per KV head (see :func:`causal_logits`)."""
     n_kv, g, b, n = p.shape
     return (p.reshape(n_kv, g * b, n) @ v).reshape(n_kv, g, b, v.shape[-1])
+
+
+def _row_sums(p: np.ndarray) -> np.ndarray:
+    """``p.sum(axis=-1, keepdims=True)`` of (Hkv, g, B, n) weights, (Hkv, g, B, 1), as one
+    (g B, n) @ (n,) product with ones per KV head: BLAS reads the tile about three times as
+    fast as NumPy's pairwise summation (the order of the additions differs, so the last
+    bits may)."""
+    n_kv, g, b, n = p.shape
+    return (p.reshape(n_kv, g * b, n) @ np.ones(n, dtype=p.dtype)).reshape(n_kv, g, b, 1)
 
 
 def _group(q: np.ndarray, n_kv: int) -> np.ndarray:

@@ -18,7 +18,7 @@ import numpy as np
 from scipy.special import softmax
 
 from .config import ModelConfig
-from .layers import apply_rope, rms_norm, rope_angles, rope_frequencies_of, silu
+from .layers import apply_rope, gated_silu, rms_norm, rope_angles, rope_frequencies_of
 from .weights import ModelWeights, pack_projections
 
 __all__ = ["Model"]
@@ -118,13 +118,12 @@ class Model:
         """The MLP branch (RMSNorm then SwiGLU) of the residual ``x`` (T, d_model).
 
         SwiGLU ``(silu(h W_gate) * (h W_up)) W_down`` as :func:`refkv.model.layers.swiglu`,
-        with ``h W_gate`` and ``h W_up`` from one GEMM on ``[W_gate | W_up]``.
+        with ``h W_gate`` and ``h W_up`` from one GEMM on ``[W_gate | W_up]`` and the
+        activation in row blocks (:func:`refkv.model.layers.gated_silu`).
         """
         lw = self.weights.layers[layer]
         h = rms_norm(x, lw.mlp_norm, self.config.norm_eps)
-        gate, up = np.split(h @ self.packed[layer].gate_up, 2, axis=1)  # (T, d_ff) each
-        hidden = silu(gate)  # then in place: the (T, d_ff) arrays are the MLP's largest temporaries
-        hidden *= up
+        hidden = gated_silu(h @ self.packed[layer].gate_up)  # (T, 2 d_ff) -> (T, d_ff)
         return hidden @ lw.w_down
 
     def head(self, x: np.ndarray) -> np.ndarray:

@@ -68,7 +68,8 @@ def _scaled(a: np.ndarray, b: np.ndarray) -> float:
     if not finite[~same].all():
         return math.inf  # a NaN or an infinity on one side only
     scale = max(1.0, float(np.abs(a64[np.isfinite(a64)]).max(initial=0.0)))
-    return float(np.abs(a64 - b64)[~same].max()) / scale
+    # only where they differ: inf - inf elsewhere would be NaN (and a warning)
+    return float(np.abs(a64[~same] - b64[~same]).max()) / scale
 
 
 def _json_diff(a, b, where: str, dtype: str, out: Differences) -> None:
