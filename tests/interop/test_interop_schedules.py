@@ -307,3 +307,35 @@ def test_docs_table_is_the_outcomes():
     begin, end = ".. begin-decoding-table\n", ".. end-decoding-table\n"
     shown = page[page.index(begin) + len(begin):page.index(end)].strip("\n")
     assert shown == table_rst().strip("\n"), "docs/oracle/decoding.rst's table is stale; paste:\n" + table_rst()
+
+
+def _rope(x, turn, inv_freq):
+    """RoPE's rotation (rotate-half) of ``x`` (d,) by ``turn`` positions, in float64."""
+    half = x.shape[0] // 2
+    angle = turn * inv_freq
+    return torch.cat([x[:half] * torch.cos(angle) - x[half:] * torch.sin(angle),
+                      x[half:] * torch.cos(angle) + x[:half] * torch.sin(angle)])
+
+
+def test_a_re_rotated_row_of_a_repeated_token_is_matched_by_its_whole_rotation():
+    """Layer 0 gives a repeated token equal values at both positions, so a re-rotated row is told apart
+    by its key alone: RoPE's rotation of the candidate's key by (row - position) must land on the row's
+    key. In float16 the first rotary pair alone is noise when it is small (a KeyRerotationPress(SnapKV)
+    float16 cell was once wrong by a swap of positions 28 and 30, both token 63)."""
+    from refkv.interop.kvpress.rows import match_rows
+
+    d, base = 8, 10000.0
+    inv_freq = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)               # (d/2,)
+    # the first rotary pair (dimensions 0 and 4) below float16's resolution: its angle says nothing
+    raw = torch.tensor([1e-9, 0.9, -1.3, 0.7, -2e-9, 1.1, 0.4, -0.8], dtype=torch.float64)
+    before_pos = torch.tensor([[28, 30]])
+    before_keys = torch.stack([_rope(raw, 28, inv_freq), _rope(raw, 30, inv_freq)])[None].half()   # (1, 2, d)
+    values = torch.ones(1, 2, d, dtype=torch.float16)                                 # the same token's values
+    for keep in (0, 1):  # the press keeps one of them in row 0, re-rotated to position 0
+        row_key = _rope(before_keys[0, keep].double(), -int(before_pos[0, keep]), inv_freq).half()
+        got = match_rows(row_key[None, None], values[:, :1], before_keys, values, before_pos, inv_freq)
+        assert got.tolist() == [[int(before_pos[0, keep])]]
+    # the first pair alone (no frequencies given) cannot tell them apart: one of the two goes wrong
+    firsts = [match_rows(_rope(before_keys[0, keep].double(), -int(before_pos[0, keep]), inv_freq).half()[None, None],
+                         values[:, :1], before_keys, values, before_pos).tolist() for keep in (0, 1)]
+    assert firsts[0] == firsts[1]

@@ -91,6 +91,8 @@ _BLOCK = Cell("differs by design (selection block by block, each block scored on
 _TOVA = Cell("differs by design (the last token's score is padded max+1: always kept)", "candidate keeps position 47")
 _OBSERVED = Cell("differs by design (h2o sums divided by n - j, the queries that saw token j)",
                  "kept-set difference beyond ties")
+_TOVA_TIES = Cell("passes: as ties: the always-kept current token replaces tokens scored 8-21% above it, within "
+                  "bfloat16's measured tie tolerance (rtol 0.25); float32 and float16 show the difference")
 _NO_EAGER = Cell("cannot run (AdaKVPress refuses eager attention, which ObservedAttentionPress needs)",
                  "eager mode not supported")
 _NO_ATTENTION = Cell("cannot run (the wrapper refuses attention weights)", "does not support attentions")
@@ -152,10 +154,9 @@ def _grid() -> dict:
             cells["DecodingPress", "float32"] = Cell("differs by design (the current token always kept)",
                                                      "candidate keeps position 51")
             cells["DecodingPress(AdaKVPress)", "float32"] = cells["DecodingPress", "float32"]
+            cells["DecodingPress(AdaKVPress)", "bfloat16"] = _TOVA_TIES
             cells["DecodingPress", "float16"] = cells["DecodingPress", "float32"]
-            cells["DecodingPress", "bfloat16"] = Cell(
-                "passes: as ties: the always-kept current token replaces tokens scored 8-21% above it, within "
-                "bfloat16's measured tie tolerance (rtol 0.25); float32 and float16 show the difference")
+            cells["DecodingPress", "bfloat16"] = _TOVA_TIES
         if press == "ObservedAttentionPress":
             for d in _BOTH:
                 cells["AdaKVPress", d] = _NO_EAGER
@@ -166,6 +167,10 @@ def _grid() -> dict:
                 cells["DecodingPress", d] = Cell(defect("one query's weights divided by n - j"),
                                                  "first diverged at round 0")
         if press == "ExpectedAttentionPress":
+            cells["BlockPress", "bfloat16"] = Cell(
+                "passes: as ties: this prompt's expected-attention scores all lie within 0.08-0.11, inside "
+                "bfloat16's tie tolerance (about 0.05 each), so block-by-block selection cannot be told apart; "
+                "float32 and float16 show the difference")
             # which tokens topk keeps among NaN scores depends on the device (a protected position
             # evicted on the CPU, a kept-set difference on CUDA): the round is asserted, not the kind
             for d in _BOTH:
@@ -173,6 +178,11 @@ def _grid() -> dict:
                                                  "first diverged at round 0")
             cells["DecodingPress(AdaKVPress)", "float32"] = Cell(defect("NaN scores when the interval <= n_sink"),
                                                                  "first diverged at round 0")
+        # every wrapper in the coarse dtypes too: the float32 outcome unless stated above
+        for (w, d), cell in list(cells.items()):
+            if d == "float32":
+                for coarse in _BOTH[1:]:
+                    cells.setdefault((w, coarse), cell)
         grid.update({(press, w, d): c for (w, d), c in cells.items()})
     return grid
 

@@ -15,16 +15,18 @@ import torch
 __all__ = ["masked_rows", "match_rows", "snapshot", "stack"]
 
 
-def match_rows(keys, values, before_keys, before_values, before_positions) -> torch.Tensor:
+def match_rows(keys, values, before_keys, before_values, before_positions, inv_freq=None) -> torch.Tensor:
     """(Hkv, m) positions of the rows of ``keys``, ``values`` (Hkv, m, d), matched bit for bit to the rows before.
 
     A row is matched by its key and value together (equal tokens give equal layer-0 values at
     different positions; RoPE tells their keys apart); a row whose key changed (a press that
     re-rotates keys) by its value alone; a row that matches nothing is -1. Equal values (an
     equal token, layer 0) leave a value-only match ambiguous; ``KeyRerotationPress`` moves
-    the key of position ``p`` to row ``j`` by RoPE's rotation of ``j - p``, which turns the
-    first rotary pair (dimensions 0 and d/2, frequency 1) by ``j - p`` radians: the
-    candidate whose angle turned by that much is taken.
+    the key of position ``p`` to row ``j`` by RoPE's rotation of ``j - p``: the candidate
+    whose key, rotated so in float64 with the model's RoPE frequencies ``inv_freq`` (d/2,),
+    is nearest the row's key is taken. (The first rotary pair alone, frequency 1, is not
+    enough: in float16 a pair of small magnitude turns by rounding noise, and two equal
+    tokens two positions apart were once swapped.)
     """
     hkv, m, _ = values.shape
 
@@ -52,8 +54,8 @@ def match_rows(keys, values, before_keys, before_values, before_positions) -> to
         for j in pending:
             hits = [i for i in alone.get(v[j].tobytes(), ()) if i not in used]
             if len(hits) > 1:
-                hits = [min(hits, key=lambda i: _turn_gap(keys[h, j], before_keys[h, i],
-                                                             j - int(before_positions[h, i])))]
+                hits = [min(hits, key=lambda i: _rotation_gap(keys[h, j], before_keys[h, i],
+                                                                 j - int(before_positions[h, i]), inv_freq))]
             if hits:
                 used.add(hits[0])
                 source[j] = hits[0]
@@ -79,12 +81,22 @@ def masked_rows(attention_module, n_kv_heads: int, n_rows: int) -> np.ndarray | 
     return mask
 
 
-def _turn_gap(key_now, key_before, turn: int) -> float:
-    """How far the first rotary pair's angle from ``key_before`` to ``key_now`` is from ``turn`` radians."""
+def _rotation_gap(key_now, key_before, turn: int, inv_freq=None) -> float:
+    """``||R(turn) key_before - key_now||^2`` in float64: RoPE's rotation by ``turn`` positions
+    (pair ``(i, i + d/2)`` by ``turn * inv_freq[i]`` radians, rotate-half as transformers and
+    kvpress apply it); without ``inv_freq``, the first pair alone (frequency 1)."""
     half = key_now.shape[-1] // 2
-    now, was = key_now.double(), key_before.double()
-    delta = torch.atan2(now[half], now[0]) - torch.atan2(was[half], was[0]) - turn
-    return float(torch.remainder(delta + torch.pi, 2 * torch.pi) - torch.pi) ** 2
+    now, was = key_now.double().cpu(), key_before.double().cpu()
+    if inv_freq is None:
+        now, was, freq = now[[0, half]], was[[0, half]], torch.ones(1, dtype=torch.float64)
+        half = 1
+    else:
+        freq = torch.as_tensor(inv_freq, dtype=torch.float64).cpu()
+    angle = turn * freq                                                      # (d/2,)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    x1, x2 = was[:half], was[half:]
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin])
+    return float(((rotated - now) ** 2).sum())
 
 
 def snapshot(cache, positions, before, scores_now, n_layers, masks=None) -> list:

@@ -138,6 +138,7 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
     prompt, new = g.arrays["prompt"], g.arrays["decode"]
     round_steps = [int(s) for s in g.arrays["round_step"]]
     n_layers = hf.config.num_hidden_layers
+    inv_freq = hf.model.rotary_emb.inv_freq.detach().cpu().double()  # (d/2,): to match re-rotated rows
     cache = transformers.DynamicCache(config=hf.config)
     positions = [None] * n_layers                      # (Hkv, n) int64 per layer, rows' positions
     before: dict[int, tuple] = {}                      # layer -> (values, positions) before the press acted
@@ -187,7 +188,7 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
                     if torch.equal(keys_now, b_keys) and torch.equal(values_now, b_values):
                         positions[layer] = b_pos  # the press left the rows as they were
                     else:
-                        positions[layer] = match_rows(keys_now, values_now, b_keys, b_values, b_pos)
+                        positions[layer] = match_rows(keys_now, values_now, b_keys, b_values, b_pos, inv_freq)
                 if step in round_steps:
                     masks = {layer: masked_rows(hf.model.layers[layer].self_attn, *positions[layer].shape)
                              for layer in range(n_layers)}
