@@ -343,7 +343,7 @@ def _move_between_heads(a, r=0, l=0):
            for j, p in enumerate(a["candidates"][r, l, h, :c]) if p >= 0 and p not in kept[r, l, h]]
     _, h_out, p_out = min(held)
     _, h_in, p_in = max(x for x in out if x[1] != h_out)
-    kept = np.concatenate([kept, np.full(kept.shape[:3] + (1,), -1, dtype=kept.dtype)], axis=3)
+    kept = np.concatenate([kept, np.full((*kept.shape[:3], 1), -1, dtype=kept.dtype)], axis=3)
     row = kept[r, l, h_out]
     row[:] = np.concatenate([row[row != p_out], [-1]])
     row = kept[r, l, h_in]
@@ -357,12 +357,14 @@ def test_a_token_moving_between_heads_is_compared_with_the_heads_pooled():
     """AdaKV allocates a layer's budget across its heads: a token moving from one head to another
     is a tie when the two reference scores are within tolerance, and named as such; beyond it,
     a kept-set difference naming both heads (not a per-head count difference)."""
-    m, a = run_schedule_golden(policies.get("adakv", base="snapkv", base_params={"window": 4}), Schedule(None, 12, 1, 12, new_tokens=0))
+    adakv = policies.get("adakv", base="snapkv", base_params={"window": 4})
+    m, a = run_schedule_golden(adakv, Schedule(None, 12, 1, 12, new_tokens=0))
     cand, (h_out, p_out), (h_in, p_in) = _move_between_heads(a)
     assert h_out != h_in
     tie = compare_schedule(cand, a, m, tolerance_factor=1e8)
     assert tie.ok, tie.failure
-    assert [s.where.split(" (")[0] for s in tie.ties] == [f"heads pooled, kept in head {h_in}, evicted from head {h_out}"]
+    moved = f"heads pooled, kept in head {h_in}, evicted from head {h_out}"
+    assert [s.where.split(" (")[0] for s in tie.ties] == [moved]
     assert (tie.ties[0].kept_position, tie.ties[0].dropped_position) == (p_in, p_out)
     fail = compare_schedule(cand, a, m, tolerance_factor=1e-9)
     assert not fail.ok
