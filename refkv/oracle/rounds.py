@@ -9,6 +9,9 @@ position holds. A candidate gives, per round (arrays indexed like the golden's):
   round, in the candidate's own row order (kvpress's ``topk`` + ``gather`` leaves rows in
   score order), padded with -1 beyond ``kept_count``. Compared as sets: a permutation of
   the right positions passes.
+  For a policy that allocates a layer's budget across its KV heads (AdaKV: it overrides
+  ``head_budgets``), the layer's kept ``(head, position)`` pairs are compared as one set:
+  a token moving between heads is a tie within the two reference scores' tolerances.
 * ``kept_count`` (R, L) int and ``logits`` (vocab,), required.
 * ``row_keys``, ``row_values`` (R, L, Hkv, K, d_head) float, optional: what each row
   holds. Row ``i`` must hold the key (value) of the position ``kept`` says it holds: its

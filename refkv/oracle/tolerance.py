@@ -11,7 +11,9 @@ rule                            what it is for
                                 who compares by hand, and the scale of the ``near-tie`` flag
 :data:`DEFAULT_E2E_TOLERANCE`,  the ``tolerance`` an end-to-end golden states for its logits,
 :func:`e2e_tolerance`           scores and fingerprints (a whole model runs: looser)
-:func:`e2e_rtol`                that stated ``rtol`` scaled to the candidate's dtype
+:func:`e2e_rtol`,               that stated ``rtol`` for the candidate's dtype: kept for the
+:data:`E2E_RTOL`                same or a finer dtype, measured for bfloat16 and float16
+                                (the model's amplification of their rounding, times 4)
 :func:`scaled_atol`             a stated ``atol`` scaled as its ``rtol`` was (fingerprints)
 :func:`decision_tolerance`      per-candidate tolerance of one end-to-end decision's scores,
                                 from that ``rtol`` (and :func:`score_tolerance`'s fallback for
