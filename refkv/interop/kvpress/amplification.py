@@ -24,7 +24,7 @@ Each is computed in the candidate's dtype from that run's keys and attention wei
 The deviation of a score is measured at the scale an end-to-end check gives it
 (:func:`refkv.oracle.tolerance.decision_tolerance`): ``|s_c - s_64| / max(|s_64|, m)``
 with ``m`` the median ``|s_64|`` of its (layer, head) row; of a logit at the scale of
-:func:`refkv.oracle.walk.compare_final_logits`: ``|l_c - l_64| / (|l_64| + max |l_64|)``;
+:func:`refkv.oracle.walk.compare_final_logits`: ``|l_c - l_64| / (|l_64| + max(1, max |l_64|))``;
 of a fingerprint at ``max(1, max |print|)`` (``scaled_atol``). A candidate passes an
 end-to-end check where every deviation is within ``rtol``, so ``E2E_RTOL`` must stay above
 the largest deviation measured on the models the oracle checks, with a margin for prompts
@@ -38,6 +38,8 @@ import numpy as np
 import torch
 
 from ...oracle.endtoend import print_vector
+from ...oracle.tolerance import decision_tolerance, scale_floor
+from ...validation import check_choice
 from .models import hf_model
 
 __all__ = ["QUANTITIES", "measure_amplification"]
@@ -49,9 +51,10 @@ WINDOW = 4
 
 
 def _row_relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Largest ``|got - want| / max(|want|, median |want| of its row)`` over rows (last axis)."""
+    """Largest ``|got - want| / max(|want|, median |want| of its row)`` over rows (last axis):
+    the deviation in units of the check's own per-score tolerance at ``rtol = 1``."""
     g, w = got.to(torch.float64).cpu().numpy(), want.to(torch.float64).cpu().numpy()
-    scale = np.maximum(np.abs(w), np.median(np.abs(w), axis=-1, keepdims=True))
+    scale = np.stack([decision_tolerance(row, 1.0) for row in w.reshape(-1, w.shape[-1])]).reshape(w.shape)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(scale > 0, np.abs(g - w) / scale, np.where(g == w, 0.0, np.inf))
     return float(ratio.max())
@@ -99,6 +102,7 @@ def measure_amplification(model, prompt, dtype: str, *, device: str = "cpu") -> 
     dict
         ``{quantity: largest deviation}`` (module docstring), over every layer and KV head.
     """
+    check_choice("dtype", dtype, ("bfloat16", "float16", "float32"))
     ids = torch.as_tensor(np.asarray(prompt, dtype=np.int64))[None, :]
     d_head = int(model.config.d_head)
     ref = _run(hf_model(model, "float64", "eager"), ids)
@@ -108,11 +112,10 @@ def measure_amplification(model, prompt, dtype: str, *, device: str = "cpu") -> 
         want, have = _quantities(k64, a64, d_head), _quantities(kc, ac, d_head)
         for name, w in want.items():
             if name == "key fingerprints":  # compared at max(1, max |print|), as scaled_atol does
-                scale = max(1.0, float(w.abs().max()))
-                dev = float((have[name].to(torch.float64).cpu() - w).abs().max()) / scale
+                dev = float((have[name].to(torch.float64).cpu() - w).abs().max()) / scale_floor(w.numpy())
             else:
                 dev = _row_relative(have[name], w)
             out[name] = max(out[name], dev)
     l64, lc = ref[2], got[2].to(torch.float64).cpu()
-    out["logits"] = float(((lc - l64).abs() / (l64.abs() + l64.abs().max())).max())
+    out["logits"] = float(((lc - l64).abs() / (l64.abs() + scale_floor(l64.numpy()))).max())
     return out

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...model.layers import apply_rope
+
 __all__ = ["masked_rows", "match_rows", "snapshot", "stack"]
 
 
@@ -86,16 +88,13 @@ def _rotation_gap(key_now, key_before, turn: int, inv_freq=None) -> float:
     (pair ``(i, i + d/2)`` by ``turn * inv_freq[i]`` radians, rotate-half as transformers and
     kvpress apply it); without ``inv_freq``, the first pair alone (frequency 1)."""
     half = key_now.shape[-1] // 2
-    now, was = key_now.double().cpu(), key_before.double().cpu()
+    now, was = key_now.double().cpu().numpy(), key_before.double().cpu().numpy()
     if inv_freq is None:
-        now, was, freq = now[[0, half]], was[[0, half]], torch.ones(1, dtype=torch.float64)
-        half = 1
+        now, was, freq = now[[0, half]], was[[0, half]], np.ones(1)
     else:
-        freq = torch.as_tensor(inv_freq, dtype=torch.float64).cpu()
-    angle = turn * freq                                                      # (d/2,)
-    cos, sin = torch.cos(angle), torch.sin(angle)
-    x1, x2 = was[:half], was[half:]
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin])
+        freq = torch.as_tensor(inv_freq, dtype=torch.float64).cpu().numpy()
+    angle = np.concatenate([turn * freq, turn * freq])                      # (d,): pair i's angle twice
+    rotated = apply_rope(was, np.cos(angle), np.sin(angle))
     return float(((rotated - now) ** 2).sum())
 
 
