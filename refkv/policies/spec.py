@@ -3,7 +3,8 @@
 A policy is named in text two ways, and both are read here:
 
 * a **spec**, ``name`` or ``name:param=value,param=value`` (experiments, records, tables),
-  e.g. ``caote:base=h2o,fast=True``;
+  e.g. ``caote:base=h2o,fast=True``; the same with the parameters in parentheses,
+  ``name(param=value,param=value)``, is the same spec (``adakv(base=keydiff,form=kvpress)``);
 * the command line's ``--policy NAME --param param=value ...``.
 
 Values are Python literals read with :func:`ast.literal_eval` (numbers, strings, tuples,
@@ -64,8 +65,20 @@ def _split_top_level(text: str, sep: str = ",") -> list[str]:
     return parts
 
 
+def _name_and_rest(text: str) -> tuple[str, str]:
+    """Split ``name:params`` or ``name(params)`` into the name and the parameter text."""
+    paren, colon = text.find("("), text.find(":")
+    if paren > 0 and (colon < 0 or paren < colon):
+        if not text.endswith(")"):
+            raise ValueError(f"policy spec {text!r}: a '(' after the name must close with ')' at the end, "
+                             f"as in 'keydiff(reserve=0.25)'")
+        return text[:paren].strip(), text[paren + 1:-1]
+    name, _, rest = text.partition(":")
+    return name.strip(), rest
+
+
 def parse_spec(spec: str) -> tuple[str, dict]:
-    """``"name:a=1,b=x"`` -> ``("name", {"a": 1, "b": "x"})``.
+    """``"name:a=1,b=x"`` (or ``"name(a=1,b=x)"``) -> ``("name", {"a": 1, "b": "x"})``.
 
     Raises
     ------
@@ -74,7 +87,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"policy spec must be a non-empty string like 'sink' or 'caote:base=h2o', got {spec!r}")
-    name, _, rest = spec.strip().partition(":")
+    name, rest = _name_and_rest(spec.strip())
     policy_class(name)  # ValueError naming the available policies
     params = {}
     if rest.strip():
@@ -99,9 +112,9 @@ def parse_spec_list(text: str) -> list[str]:
         item = item.strip()
         if not item:
             raise ValueError(f"policy list {text!r} has an empty item (two commas in a row, or a trailing comma)")
-        head = item.split(":", 1)[0]
+        head = item.split(":", 1)[0].split("(", 1)[0]
         if "=" in head:
-            if not specs or ":" not in specs[-1]:
+            if not specs or ":" not in specs[-1] or specs[-1].endswith(")"):
                 raise ValueError(f"policy list {text!r}: parameter {item!r} follows no 'name:' spec "
                                  f"(write name:{item})")
             specs[-1] += "," + item

@@ -622,3 +622,15 @@ def test_default_passkey_grid_runs_one_shot_only_for_the_one_shot_claim():
     assert {"knorm", "scissorhands"} <= {c["policy"] for c in full if c["block"] is None}
     chosen = passkey.cells(Settings(model="smollm2", policies=("knorm",), blocks=(None,)))
     assert {c["block"] for c in chosen if c["policy"] == "knorm"} == {None}  # asked for: always run
+
+
+def test_a_spec_with_parameters_in_parentheses_is_the_same_spec():
+    from refkv.policies.spec import canonical_spec, parse_spec, parse_spec_list
+    assert parse_spec("adakv(base=keydiff,form=kvpress)") == ("adakv", {"base": "keydiff", "form": "kvpress"})
+    assert canonical_spec("snapkv(window=8,kernel=3)") == canonical_spec("snapkv:kernel=3,window=8")
+    assert parse_spec_list("h2o,adakv(base=keydiff,form=kvpress),keydiff:reserve=0.25") == [
+        "h2o", "adakv(base=keydiff,form=kvpress)", "keydiff:reserve=0.25"]
+    with pytest.raises(ValueError, match="close with"):
+        parse_spec("keydiff(reserve=0.25")
+    with pytest.raises(ValueError, match="follows no"):
+        parse_spec_list("adakv(base=keydiff),form=kvpress")
