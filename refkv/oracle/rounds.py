@@ -35,20 +35,24 @@ layers of round ``r``) are not compared; the report counts them.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..cache import EMPTY
 from ..formatting import format_position_set
+from ..model.config import ModelConfig
 from ..policies.base import Policy
 from ..validation import check_float
 from .arrays import as_array, fmt
+from .cases import compare_case
 from .declare import Declarations
 from .endtoend import fingerprints, policy_from_manifest
 from .models import is_checkpoint
+from .ownstate import query_rows, round_case, state_given, unjudgeable
 from .retention import compare_kept, compare_uneven
 from .status import Status
-from .tolerance import check_dtype_name, decision_tolerance, e2e_rtol, scaled_atol, tolerance_rule
+from .tolerance import check_dtype_name, decision_tolerance, e2e_rtol, scale_floor, scaled_atol, tolerance_rule
 from .walk import EndToEndResult, compare_final_logits, downstream
 
 __all__ = ["KINDS", "Divergence", "compare_schedule"]
@@ -81,6 +85,7 @@ class ScheduleResult(EndToEndResult):
     first_round: int | None = None
     rows_checked: int = 0
     scores_checked: int = 0
+    per_round: list = field(default_factory=list)
 
 
 def _optional(candidate: dict, name: str):
@@ -107,7 +112,6 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
     before = bool(manifest["policy"].get("evict_before_attention", False))
 
     kept_r, counts_r = reference["kept"], reference["kept_count"]
-    n_rounds, n_layers, hkv, _ = kept_r.shape
     counts_c = as_array(candidate["kept_count"], "kept_count")
     kept_c = as_array(candidate["kept"], "kept")
     if counts_c.shape != counts_r.shape:
@@ -138,18 +142,61 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
                                                                         f"scores={decl.scores}") + ")")
     if row_keys is None:
         res.notes.append("rows: no row_keys given, so which key each row holds is not checked")
+    d_head = int(manifest["model"]["config"]["d_head"])
+
+    def diverge(r, l, h, kind, message):
+        res.divergences.append(Divergence(r, l, h, kind, message))
+
+    policy, why_not = _judged_policy(manifest, candidate)
+    if why_not is None:
+        res.form = "every round, on the candidate's own state"
+        taint = _judge_own_state(res, candidate, reference, manifest, policy, kept_c, counts_c, row_keys, row_values,
+                                 cand_scores, score_pos, name, decl, factor, strict_ties, p_rtol, d_head, diverge)
+    else:
+        res.notes.append(_blind_spot_note(why_not, name, rtol, real))
+        taint = _compare_with_reference(res, reference, manifest, kept_c, counts_c, row_keys, row_values, cand_scores,
+                                        score_pos, compare_scores, rtol, rule, before, strict_ties, p_rtol, d_head,
+                                        diverge)
+
+    if res.divergences:
+        res.first_round = res.divergences[0].round
+        res.failure = _summary(res.divergences, manifest)
+        return res
+    if decl.kept_only:
+        res.logits = "not compared (declared kept_only)"
+        return res
+    steps = reference["round_step"]
+    final = _final_step(manifest)
+    if any(int(steps[tr]) < final or (before and int(steps[tr]) == final) for tr, _ in taint):
+        res.logits = ("not compared: the candidate's kept sets left the reference's at round "
+                      f"{min(tr for tr, _ in taint)} (each decision judged on its own state); "
+                      + _logits_drift(candidate, reference))
+        return res
+    logits_rtol = factor * e2e_rtol(tol["logits"]["rtol"], golden_dtype, name, checkpoint=real)
+    compare_final_logits(res, candidate, reference, logits_rtol, check_dtype,
+                         "final logits (after every round matched)")
+    return res
+
+
+def _compare_with_reference(res, reference, manifest, kept_c, counts_c, row_keys, row_values, cand_scores, score_pos,
+                            compare_scores, rtol, rule, before, strict_ties, p_rtol, d_head, diverge) -> list:
+    """Each (round, layer) against the reference's decision, at the model-level tolerance ``rtol``.
+
+    The check for a candidate that gives no state (or a policy :mod:`refkv.oracle.ownstate`
+    cannot judge): a decision after a divergence or an accepted tie at (``r``, ``l``) sees
+    another cache than the reference's, so it is not compared (counted in ``res.unchecked``).
+    Returns the (round, layer) pairs where the candidate left the reference's trajectory.
+    """
     cand_pos, cand_n = reference["candidates"], reference["candidate_count"]
     scores, protected = reference["scores"], reference["protected"]
-    d_head = int(manifest["model"]["config"]["d_head"])
+    kept_r, counts_r = reference["kept"], reference["kept_count"]
+    n_rounds, n_layers, hkv, _ = kept_r.shape
     across = allocates_across_heads(manifest)
 
     taint: list[tuple[int, int]] = []
 
     def tainted(r: int, l: int) -> bool:
         return downstream(r, l, taint, before)
-
-    def diverge(r, l, h, kind, message):
-        res.divergences.append(Divergence(r, l, h, kind, message))
 
     for r in range(n_rounds):
         for l in range(n_layers):
@@ -242,22 +289,217 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
             if len(res.divergences) > found or tie_here:
                 taint.append((r, l))
 
-    if res.divergences:
-        res.first_round = res.divergences[0].round
-        res.failure = _summary(res.divergences, manifest)
-        return res
-    if decl.kept_only:
-        res.logits = "not compared (declared kept_only)"
-        return res
-    steps = reference["round_step"]
-    final = _final_step(manifest)
-    if any(int(steps[tr]) < final or (before and int(steps[tr]) == final) for tr, _ in taint):
-        res.logits = "not compared (downstream of an accepted tie)"
-        return res
-    logits_rtol = factor * e2e_rtol(tol["logits"]["rtol"], golden_dtype, name, checkpoint=real)
-    compare_final_logits(res, candidate, reference, logits_rtol, check_dtype,
-                         "final logits (after every round matched)")
-    return res
+    return taint
+
+
+def _judged_policy(manifest: dict, candidate: dict):
+    """``(policy, None)`` if the candidate's decisions can be judged on its own state, else ``(policy, why not)``."""
+    try:
+        policy = policy_from_manifest(manifest)
+    except (KeyError, TypeError, ValueError) as err:
+        return None, f"the golden's policy cannot be built here ({err})"
+    if not state_given(candidate):
+        return policy, ("the candidate gives no state (state_positions, state_keys, state_values"
+                        + (", state_queries" if query_rows(policy) else "") + ")")
+    why = unjudgeable(policy, ModelConfig(**manifest["model"]["config"]))
+    if why is None and query_rows(policy) and "state_queries" not in candidate:
+        why = f"{policy.name} reads attention rows and the candidate gives no state_queries"
+    return policy, why
+
+
+def _blind_spot_note(why_not: str, dtype: str, rtol: float, checkpoint: bool) -> str:
+    """What a check against the reference's decisions can miss, said plainly."""
+    return (f"warning: decisions compared with the reference's, not judged on the candidate's own state: {why_not}. "
+            f"The tolerance is the model's measured drift in {dtype}"
+            + (" on a checkpoint" if checkpoint else "")
+            + f" (rtol {fmt(rtol, 3)}): a score error up to about {fmt(rtol, 3)} x a typical score of a decision "
+            f"can pass unseen, and a decision after an accepted tie is not compared")
+
+
+def _logits_drift(candidate: dict, reference: dict) -> str:
+    """``"logits drift: max |diff| x (y of the largest logit)"``: measured, never a verdict."""
+    got = np.asarray(as_array(candidate["logits"], "logits"), dtype=np.float64)
+    want = np.asarray(reference["logits"], dtype=np.float64)
+    if got.shape != want.shape:
+        return f"logits drift: not measured (shape {got.shape}, the reference's {want.shape})"
+    diff = float(np.max(np.abs(got - want))) if got.size else 0.0
+    return f"logits drift: max |diff| {fmt(diff, 3)} ({fmt(diff / scale_floor(want), 3)} of the largest logit)"
+
+
+def _judge_own_state(res, candidate, reference, manifest, policy, kept_c, counts_c, row_keys, row_values, cand_scores,
+                     score_pos, dtype, decl, factor, strict_ties, p_rtol, d_head, diverge) -> list:
+    """Every (round, layer) decision on the candidate's own state (:mod:`refkv.oracle.ownstate`).
+
+    Per decision: the state continues the previous round (its positions are the previous
+    kept positions plus the tokens fed since); refkv's decision on that state against the
+    candidate's kept set (:func:`refkv.oracle.cases.compare_case`, the decision's own
+    rounding in ``dtype`` as tolerance); each kept row holds its state's key and value for
+    the position it claims, bit for bit. While the candidate's kept sets are the
+    reference's, its rows are also held to the reference's fingerprints (model-level
+    tolerance ``p_rtol``); after, their distance is reported as drift only.
+    Returns the (round, layer) pairs where the candidate's kept set is not the reference's.
+    """
+    state_pos = as_array(candidate["state_positions"], "state_positions")
+    state_keys = as_array(candidate["state_keys"], "state_keys")
+    state_values = as_array(candidate["state_values"], "state_values")
+    queries = _optional(candidate, "state_queries")
+    kept_r, counts_r = reference["kept"], reference["kept_count"]
+    n_rounds, n_layers, hkv, _ = kept_r.shape
+    positions_after = reference["round_position"]
+    taint: list[tuple[int, int]] = []
+    for r in range(n_rounds):
+        judged = ties = evicting = flat = 0
+        drift = 0.0
+        for l in range(n_layers):
+            where = f"round {r}, layer {l}"
+            kc = int(counts_c[r, l])
+            rows = [row[row >= 0] for row in kept_c[r, l, :, :kc]]
+            positions = state_pos[r, l]
+            problem = _state_continues(positions, None if r == 0 else kept_c[r - 1, l],
+                                       0 if r == 0 else int(positions_after[r - 1]), int(positions_after[r]))
+            if problem:
+                diverge(r, l, None, "state does not continue the previous round", f"{where}: {problem}")
+                continue
+            case = round_case(policy, manifest, r, l, positions, state_keys[r, l], state_values[r, l],
+                                     None if queries is None else queries[r, l])
+            judged += 1
+            res.decisions += 1
+            evicting += int(case.sizes["n"] > case.budget)
+            cand = {"kept": rows if case.head_budgets is not None else np.stack(rows) if rows else
+                    np.zeros((hkv, 0), dtype=np.int64)}
+            mapped = _scores_on_case(cand_scores, score_pos, r, l, case)
+            if mapped is not None:
+                cand["scores"] = mapped
+                res.scores_checked += int(np.isfinite(mapped).sum())
+            out = compare_case(cand, case, dtype=dtype, declare=decl, tolerance_factor=factor,
+                               strict_ties=strict_ties, kept_as="positions")
+            ties += len(out.ties)
+            res.ties.extend(_placed(t, where) for t in out.ties)
+            flat += any(n.startswith("warning") for n in out.notes)
+            for message in out.messages:
+                diverge(r, l, None, _kind(message), f"{where}, {message}")
+            own = _rows_hold_their_state(r, l, rows, kept_c[r, l], positions, state_keys[r, l], state_values[r, l],
+                                         row_keys, row_values)
+            for kind, message in own:
+                diverge(r, l, None, kind, f"{where}, {message}")
+            if row_keys is not None:
+                res.rows_checked += sum(len(row) for row in rows)
+            same = all(np.array_equal(np.sort(a), kept_r[r, l, h][kept_r[r, l, h] >= 0])
+                       for h, a in enumerate(rows)) and kc == int(counts_r[r, l])
+            if same and not any(tr < r and tl <= l for tr, tl in taint):
+                found = len(res.divergences)
+                for h in range(hkv):
+                    _check_rows(res, r, l, h, f"{where}, head {h}", kept_c[r, l, h, :kc],
+                                kept_r[r, l, h][kept_r[r, l, h] >= 0], reference, row_keys, row_values, d_head,
+                                p_rtol, manifest["tolerance"]["prints"], diverge)
+                del res.divergences[found:][1:]  # one fingerprint failure per decision is enough
+            else:
+                if not same:
+                    taint.append((r, l))
+                drift = max(drift, _print_drift(kept_c[r, l, :, :kc], kept_r[r, l], reference["key_print"][r, l],
+                                                row_keys, r, l, d_head))
+        res.per_round.append({"round": r, "judged": judged, "evicting": evicting, "ties": ties,
+                              "flat": flat, "drift": drift})
+    res.unchecked = 0
+    return taint
+
+
+def _state_continues(positions, kept_before, first_new: int, end: int) -> str | None:
+    """Why a round's state positions are not the previous round's kept positions plus the
+    tokens ``first_new .. end - 1`` fed since (None if they are)."""
+    new = np.arange(first_new, end)
+    for h in range(positions.shape[0]):
+        got = positions[h][positions[h] >= 0]
+        if len(np.unique(got)) != len(got):
+            return f"head {h}: the state holds a position twice"
+        held = np.empty(0, dtype=np.int64) if kept_before is None else kept_before[h][kept_before[h] >= 0]
+        want = np.union1d(held, new)
+        if not np.array_equal(np.sort(got), want):
+            extra = sorted(set(got.tolist()) - set(want.tolist()))
+            lost = sorted(set(want.tolist()) - set(got.tolist()))
+            return (f"head {h}: the state before this round's eviction should hold the previous round's kept "
+                    f"positions and positions {first_new}..{end - 1}; "
+                    + (f"it also holds {format_position_set(np.array(extra))}" if extra else "")
+                    + ("; " if extra and lost else "")
+                    + (f"it lacks {format_position_set(np.array(lost))}" if lost else ""))
+    return None
+
+
+def _scores_on_case(cand_scores, score_pos, r, l, case):
+    """The candidate's scores of round ``r``, layer ``l`` in the case's column order, or None
+    where it gave none (or not one for every state position)."""
+    if cand_scores is None:
+        return None
+    pos = case.inputs["positions"]
+    out = np.full(pos.shape, np.nan)
+    for h in range(pos.shape[0]):
+        given = {int(p): float(s) for p, s in zip(score_pos[r, l, h], cand_scores[r, l, h]) if p >= 0}
+        for c, p in enumerate(pos[h]):
+            if p == EMPTY or p < 0:
+                continue
+            if int(p) not in given:
+                return None
+            out[h, c] = given[int(p)]
+    if np.isnan(out).all():
+        return None
+    return np.where(np.isnan(out), case.outputs["scores"], out) if case.head_budgets is not None else out
+
+
+def _placed(swap, where: str):
+    """A tie's Swap with its round and layer in front of its head."""
+    return replace(swap, where=f"{where}, {swap.where}")
+
+
+def _kind(message: str) -> str:
+    """The divergence kind of one of :func:`compare_case`'s messages."""
+    if message.startswith("scores"):
+        return "score beyond tolerance"
+    if "which the reference protects" in message:
+        return "protected position evicted"
+    if "tokens, the reference" in message or "total differs" in message:
+        return "kept count differs"
+    return "kept-set difference beyond ties"
+
+
+def _rows_hold_their_state(r, l, rows, kept_rows, positions, keys, values, row_keys, row_values) -> list:
+    """Each kept row's key (value) against the state's key (value) of the position it claims: bit for bit."""
+    out = []
+    for name, got_all, state in (("key", row_keys, keys), ("value", row_values, values)):
+        if got_all is None:
+            continue
+        for h in range(positions.shape[0]):
+            column = {int(p): c for c, p in enumerate(positions[h]) if p >= 0}
+            bad = []
+            for i, p in enumerate(kept_rows[h]):
+                if p < 0 or int(p) not in column:
+                    continue
+                if not np.array_equal(got_all[r, l, h, i], state[h, column[int(p)]]):
+                    bad.append((i, int(p)))
+            if bad:
+                i, p = bad[0]
+                owner = [int(q) for q, c in column.items() if np.array_equal(got_all[r, l, h, i], state[h, c])]
+                hint = (f"; it is the state's {name} of position {owner[0]}" if owner
+                        else f"; it matches no {name} of the state")
+                out.append((f"row holds the wrong {name}",
+                            f"head {h}: row {i} claims position {p} but does not hold the {name} the candidate's "
+                            f"state held for it{hint}" + (f"; {len(bad) - 1} more such rows" if len(bad) > 1 else "")))
+    return out
+
+
+def _print_drift(kept_c, kept_r, prints_r, row_keys, r, l, d_head) -> float:
+    """Largest relative distance of the candidate's kept keys from the reference's, over the
+    positions both hold: ``|print_c - print_r| / max(|print_r|)`` (0 without ``row_keys``)."""
+    if row_keys is None:
+        return 0.0
+    worst = 0.0
+    scale = max(float(np.nanmax(np.abs(prints_r))) if np.isfinite(prints_r).any() else 1.0, 1e-300)
+    for h in range(kept_c.shape[0]):
+        index = {int(p): j for j, p in enumerate(kept_r[h]) if p >= 0}
+        for i, p in enumerate(kept_c[h]):
+            if p >= 0 and int(p) in index:
+                got = float(fingerprints(row_keys[r, l, h, i][None], d_head)[0])
+                worst = max(worst, abs(got - float(prints_r[h, index[int(p)]])) / scale)
+    return worst
 
 
 def allocates_across_heads(manifest: dict) -> bool:

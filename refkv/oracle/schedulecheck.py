@@ -32,10 +32,29 @@ def check_schedule_file(candidate_path, reference_path, *, dtype=None, declare=N
     res = compare_schedule(cand.arrays, ref.arrays, ref.manifest, dtype=name, declare=decl,
                            tolerance_factor=tolerance_factor, strict_ties=strict_ties, check_dtype=check_dtype)
     report = FileReport(rel, "e2e", Status.OK, notes=notes + res.notes, compared=res.decisions)
+    own = bool(res.per_round)
     report.notes.insert(len(notes), f"form: every round of the schedule ({ref.manifest.get('schedule_text', '')}); "
-                                    f"kept positions as sets, {res.rows_checked} rows' keys checked, "
-                                    f"{res.scores_checked} scores compared")
-    head = f"{ref.label}: {res.decisions} (round, layer) steps compared"
+                                    + ("each decision judged on the candidate's own state (refkv's decision on the "
+                                       "rows, keys and queries it had, at its dtype's rounding)" if own else
+                                       "kept positions as sets against the reference's")
+                                    + f", {res.rows_checked} rows' keys checked, {res.scores_checked} scores compared")
+    report.notes[len(notes) + 1:len(notes) + 1] = _round_lines(res.per_round)
+    head = f"{ref.label}: {res.decisions} (round, layer) decisions " + ("judged" if own else "compared")
     if res.unchecked:
         head += f", {res.unchecked} downstream of a tie or divergence not compared"
+    evicting = sum(r["evicting"] for r in res.per_round)
+    if own and res.decisions and evicting == 0:
+        report.notes.append("warning: no judged decision evicted anything (every state fit its budget): this check "
+                            "judged too little to mean anything")
+    flat = sum(r["flat"] for r in res.per_round)
+    if own and evicting and flat * 2 > evicting:
+        report.notes.append(f"warning: in {flat} of {evicting} evicting decisions the tie rule accepts any swap in "
+                            f"some head at this dtype: those kept sets are not a meaningful check")
     return finish_end_to_end(report, res, head)
+
+
+def _round_lines(per_round: list) -> list[str]:
+    """One line per round: decisions judged (how many evicted), ties accepted, the keys' drift."""
+    return [f"round {r['round']}: {r['judged']} decisions judged on the candidate's own state ({r['evicting']} "
+            f"evicting), {r['ties']} tie(s) accepted; kept keys' drift from the reference where they differ: "
+            f"{r['drift']:.3g} of the largest fingerprint (measured, not a verdict)" for r in per_round]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..attention import attention_weights
 from ..cache import EMPTY
 from ..policies import Policy, View
 from ..policies import get as get_policy
@@ -162,10 +163,16 @@ class VectorCase:
             block_values = np.take_along_axis(values, last[..., None], axis=1)
         else:
             block_keys, block_values = get("block_keys", (hkv, b, d)), get("block_values", (hkv, b, d))
+        queries = get("queries", (s["n_heads"], b, d))
+        attention = self.inputs.get("attention")
+        if attention is None and "queries" in self.inputs and "attention" in self.policy().needs:
+            # A case made from a candidate's own state (refkv.oracle.ownstate) stores the queries:
+            # the weights are recomputed from them, so that a perturbed query or key moves them.
+            attention = attention_weights(queries, keys, self.inputs["query_positions"], positions)
         return View(layer=self.layer, n_layers=self.n_layers, keys=keys, values=values,
                     positions=positions, fields=dict(self.fields),
-                    queries=get("queries", (s["n_heads"], b, d)), query_positions=self.inputs["query_positions"],
-                    block_keys=block_keys, block_values=block_values, attention=self.inputs.get("attention"),
+                    queries=queries, query_positions=self.inputs["query_positions"],
+                    block_keys=block_keys, block_values=block_values, attention=attention,
                     budget=self.budget + (b if self.stage == "before-attention" else 0), keep=self.budget,
                     config=config_for(s["n_heads"], hkv, d, self.n_layers))
 

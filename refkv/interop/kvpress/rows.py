@@ -9,12 +9,14 @@ stay, ``module.masked_key_indices`` names the evicted ones) keeps the unmasked r
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 
 from ...model.layers import apply_rope
 
-__all__ = ["masked_rows", "match_rows", "snapshot", "stack"]
+__all__ = ["masked_rows", "match_rows", "snapshot", "stack", "stack_states", "state_of", "step_queries"]
 
 
 def match_rows(keys, values, before_keys, before_values, before_positions, inv_freq=None) -> torch.Tensor:
@@ -159,3 +161,59 @@ def stack(records, logits, dtype) -> dict:
         out.update(scores=scores, score_positions=score_pos)
     return out
 
+
+
+def step_queries(attention_module, hidden_states, position_embeddings, count: int) -> torch.Tensor:
+    """(H, W, d) on the CPU: the queries of the step's last ``W = min(count, T)`` tokens, after RoPE,
+    as the attention layer computes them (its ``q_proj``, its ``q_norm`` where it has one, and
+    its own model family's ``apply_rotary_pos_emb``), in the model's dtype."""
+    family = sys.modules[type(attention_module).__module__]
+    w = min(count, hidden_states.shape[1])
+    d = attention_module.head_dim
+    q = attention_module.q_proj(hidden_states[:, -w:]).view(1, w, -1, d)            # (1, W, H, d)
+    if getattr(attention_module, "q_norm", None) is not None:
+        q = attention_module.q_norm(q)
+    q = q.transpose(1, 2)                                                            # (1, H, W, d)
+    cos, sin = (t[:, -w:] for t in position_embeddings)
+    q, _ = family.apply_rotary_pos_emb(q, q, cos, sin)
+    return q[0].detach().cpu().clone()
+
+
+def state_of(before: dict, queries: dict, n_layers: int) -> list:
+    """Per layer: what the round's eviction saw -- the rows' positions, keys and values before
+    the press acted, and the step's last queries (None where none were recorded)."""
+    return [(before[layer][2].numpy().copy(), before[layer][0], before[layer][1], queries.get(layer))
+            for layer in range(n_layers)]
+
+
+def stack_states(states: list) -> dict:
+    """The state arrays of :mod:`refkv.oracle.ownstate` from :func:`state_of` per round.
+
+    Keys, values and queries are stored in float32: the model's bfloat16, float16 or float32
+    numbers exactly (a float64 model's in float64).
+    """
+    if not states:
+        return {}
+    n_rounds, n_layers = len(states), len(states[0])
+    hkv, _, d = states[0][0][1].shape
+    width = max(s[0].shape[1] for rec in states for s in rec)
+    exact = np.float64 if states[0][0][1].dtype == torch.float64 else np.float32
+    positions = np.full((n_rounds, n_layers, hkv, width), -1, dtype=np.int64)
+    keys = np.zeros((n_rounds, n_layers, hkv, width, d), dtype=exact)
+    values = np.zeros((n_rounds, n_layers, hkv, width, d), dtype=exact)
+    out = {"state_positions": positions, "state_keys": keys, "state_values": values}
+    q_first = next((s[3] for rec in states for s in rec if s[3] is not None), None)
+    if q_first is not None:
+        h = q_first.shape[0]
+        out["state_queries"] = np.zeros((n_rounds, n_layers, h, max(s[3].shape[1] for rec in states for s in rec
+                                                                      if s[3] is not None), d), dtype=exact)
+    for r, rec in enumerate(states):
+        for layer, (pos, k, v, q) in enumerate(rec):
+            m = pos.shape[1]
+            positions[r, layer, :, :m] = pos
+            keys[r, layer, :, :m] = k.to(torch.float64).numpy()
+            values[r, layer, :, :m] = v.to(torch.float64).numpy()
+            if q is not None:
+                # A shorter step (a decoded token) keeps its queries last, like the step's own order.
+                out["state_queries"][r, layer, :, -q.shape[1]:] = q.to(torch.float64).numpy()
+    return out

@@ -12,12 +12,13 @@ import numpy as np
 import torch
 import transformers
 
-from ...oracle.endtoend import EndToEnd, is_schedule, read_end_to_end, write_end_to_end
+from ...oracle.endtoend import EndToEnd, is_schedule, policy_from_manifest, read_end_to_end, write_end_to_end
+from ...oracle.ownstate import query_rows
 from ...oracle.schema import E2E_SCHEMA, SCHEDULE_VERSION, header
 from ...policies import get as get_policy
 from ...schedule import Schedule
 from .models import DTYPES, compression_ratio, hf_model, model_of
-from .rows import masked_rows, match_rows, snapshot, stack
+from .rows import masked_rows, match_rows, snapshot, stack, stack_states, state_of, step_queries
 
 __all__ = ["Skip", "fit_press", "needs_attention", "run_press", "schedule_goldens", "write_candidates"]
 
@@ -142,8 +143,14 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
     cache = transformers.DynamicCache(config=hf.config)
     positions = [None] * n_layers                      # (Hkv, n) int64 per layer, rows' positions
     before: dict[int, tuple] = {}                      # layer -> (values, positions) before the press acted
-    step_positions = {"first": 0, "count": 0}
+    step_positions = {"first": 0, "count": 0, "round": False}
     scores_now: dict[int, tuple] = {}
+    # What each round's eviction saw, for the check on the candidate's own state
+    # (refkv.oracle.ownstate): the rows before the press acted, and the step's last queries
+    # where the golden's policy reads attention rows.
+    policy = policy_from_manifest(g.manifest)
+    n_queries = query_rows(policy)
+    queries_now: dict[int, torch.Tensor] = {}
 
     def pre_press(module, args, kwargs, output):       # runs before the press's hook (registered first)
         layer = module.layer_idx
@@ -153,6 +160,9 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
         old = positions[layer] if positions[layer] is not None else torch.zeros(values.shape[0], 0, dtype=torch.long)
         pos = torch.cat([old, new_pos.expand(values.shape[0], -1)], dim=1)
         before[layer] = (keys, values, pos)
+        if step_positions["round"] and n_queries:
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            queries_now[layer] = step_queries(module, hidden, kwargs["position_embeddings"], n_queries)
         return output
 
     handles = [layer.self_attn.register_forward_hook(pre_press, with_kwargs=True) for layer in hf.model.layers]
@@ -170,14 +180,15 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
 
     for s in scorers:
         s.score = recording(s)
-    records = []
+    records, states = [], []
     try:
         with torch.no_grad(), press(hf):
             feeds = [prompt, *([int(t)] for t in new)]
             first = 0
             for step, tokens in enumerate(feeds):
-                step_positions.update(first=first, count=len(tokens))
+                step_positions.update(first=first, count=len(tokens), round=step in round_steps)
                 scores_now.clear()
+                queries_now.clear()
                 ids = torch.tensor(np.asarray(tokens, dtype=np.int64)[None, :], device=device)
                 pos_ids = torch.arange(first, first + len(tokens), device=device)[None, :]
                 out = hf(input_ids=ids, past_key_values=cache, position_ids=pos_ids, use_cache=True)
@@ -193,13 +204,14 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
                     masks = {layer: masked_rows(hf.model.layers[layer].self_attn, *positions[layer].shape)
                              for layer in range(n_layers)}
                     records.append(snapshot(cache, positions, before, scores_now, n_layers, masks))
+                    states.append(state_of(before, queries_now, n_layers))
             logits = out.logits[0, -1].cpu().to(torch.float64).numpy()
     finally:
         for h in handles:
             h.remove()
         for s in scorers:
             s.score = originals[id(s)]
-    return stack(records, logits, dtype)
+    return {**stack(records, logits, dtype), **stack_states(states)}
 
 
 
