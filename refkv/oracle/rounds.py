@@ -34,6 +34,7 @@ layers of round ``r``) are not compared; the report counts them.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -376,8 +377,9 @@ def _judge_own_state(res, candidate, reference, manifest, policy, kept_c, counts
             ties += len(out.ties)
             res.ties.extend(_placed(t, where) for t in out.ties)
             flat += any(n.startswith("warning") for n in out.notes)
-            for message in out.messages:
-                diverge(r, l, None, _kind(message), f"{where}, {message}")
+            # the kept set first: what a cache holds matters more than how its scores were written
+            for message in sorted(out.messages, key=lambda m: m.startswith("scores")):
+                diverge(r, l, _head_of(message), _kind(message), f"{where}, {message}")
             own = _rows_hold_their_state(r, l, rows, kept_c[r, l], positions, state_keys[r, l], state_values[r, l],
                                          row_keys, row_values)
             for kind, message in own:
@@ -448,6 +450,12 @@ def _scores_on_case(cand_scores, score_pos, r, l, case):
 def _placed(swap, where: str):
     """A tie's Swap with its round and layer in front of its head."""
     return replace(swap, where=f"{where}, {swap.where}")
+
+
+def _head_of(message: str) -> int | None:
+    """The KV head a :func:`compare_case` message names first (``head 2: ...``), if any."""
+    found = re.search(r"\bhead (\d+)", message)
+    return None if found is None else int(found.group(1))
 
 
 def _kind(message: str) -> str:
