@@ -65,7 +65,7 @@ def unjudgeable(policy: Policy, config: ModelConfig) -> str | None:
     if "queries" in policy.needs:
         return f"{policy.name} reads the step's queries themselves, not rows of the attention weights"
     if "attention" in policy.needs:
-        need = policy.attention_need()
+        need = _need(policy)
         if need.whole or need.column_sums:
             return (f"{policy.name} reads {'every row' if need.whole else 'the column sums'} of the step's "
                     f"attention weights")
@@ -76,7 +76,15 @@ def query_rows(policy: Policy) -> int:
     """``W``: how many of a step's last queries a judged decision of ``policy`` reads (0: none)."""
     if "attention" not in policy.needs:
         return 0
-    return int(policy.attention_need().rows or 0)
+    return int(_need(policy).rows or 0)
+
+
+def _need(policy: Policy):
+    """What ``policy`` reads of the weights; a wrapper that asks the engine for the whole matrix
+    only to hand each head's slice to its base (AdaKV) reads what its base reads."""
+    need = policy.attention_need()
+    base = getattr(policy, "base_policy", None)
+    return base.attention_need() if need.whole and isinstance(base, Policy) and "attention" in base.needs else need
 
 
 def step_span(manifest: dict, r: int) -> tuple[int, int]:

@@ -46,7 +46,7 @@ from ..model.config import ModelConfig
 from ..policies.base import Policy
 from ..validation import check_float
 from .arrays import as_array, fmt
-from .cases import compare_case
+from .cases import _compare_scores, compare_case
 from .declare import Declarations
 from .endtoend import fingerprints, policy_from_manifest
 from .models import is_checkpoint
@@ -137,10 +137,12 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
         res.failure = (f"scores, score_positions: shapes must be equal and start with {kept_r.shape[:3]}, got "
                        f"{cand_scores.shape} and {score_pos.shape}")
         return res
-    compare_scores = cand_scores is not None and not decl.kept_only and decl.scores in (None, "exact")
-    if cand_scores is not None and not compare_scores:
-        res.notes.append("candidate scores not compared (declared " + ("kept_only" if decl.kept_only else
-                                                                        f"scores={decl.scores}") + ")")
+    # Declared relations (rescaled scores, a monotone transform) are compared as declared.
+    compare_scores = None if cand_scores is None or decl.kept_only else (decl.scores or "exact")
+    if cand_scores is not None and compare_scores is None:
+        res.notes.append("candidate scores not compared (declared kept_only)")
+    elif compare_scores not in (None, "exact"):
+        res.notes.append(f"candidate scores compared as declared: scores={compare_scores}")
     if row_keys is None:
         res.notes.append("rows: no row_keys given, so which key each row holds is not checked")
     d_head = int(manifest["model"]["config"]["d_head"])
@@ -286,7 +288,7 @@ def _compare_with_reference(res, reference, manifest, kept_c, counts_c, row_keys
                             manifest["tolerance"]["prints"], diverge)
                 if compare_scores and c:
                     _check_scores(res, r, l, h, where, cand_scores[r, l, h], score_pos[r, l, h],
-                                  cand_pos[r, l, h, :c], scores[r, l, h, :c], rtol, diverge)
+                                  cand_pos[r, l, h, :c], scores[r, l, h, :c], rtol, diverge, compare_scores)
             if len(res.divergences) > found or tie_here:
                 taint.append((r, l))
 
@@ -585,19 +587,33 @@ def _check_rows(res, r, l, h, where, a_rows, r_pos, reference, row_keys, row_val
                     f"{hint}" + (f"; {int(bad.sum()) - 1} more such rows in this head" if bad.sum() > 1 else ""))
 
 
-def _check_scores(res, r, l, h, where, cand_scores, cand_positions, ref_positions, ref_scores, rtol, diverge):
-    """The candidate's scores at the positions it gives against the reference's scores there."""
+def _check_scores(res, r, l, h, where, cand_scores, cand_positions, ref_positions, ref_scores, rtol, diverge,
+                  relation: str = "exact"):
+    """The candidate's scores at the positions it gives against the reference's scores there,
+    by the declared ``relation`` (:data:`refkv.oracle.declare.SCORE_RELATIONS`): equal within
+    tolerance, a positive multiple (rescaled by the median ratio), or in the same order."""
     tolerance = decision_tolerance(ref_scores, rtol)
     col = {int(p): i for i, p in enumerate(ref_positions)}
-    for s, p in zip(np.asarray(cand_scores, dtype=np.float64), np.asarray(cand_positions)):
-        if int(p) < 0 or int(p) not in col:
-            continue
-        res.scores_checked += 1
-        i = col[int(p)]
+    given = [(float(s), col[int(p)]) for s, p in zip(np.asarray(cand_scores, dtype=np.float64),
+                                                      np.asarray(cand_positions)) if int(p) >= 0 and int(p) in col]
+    if not given:
+        return
+    res.scores_checked += len(given)
+    if relation != "exact":
+        cols = np.array([c for _, c in given])
+        got = np.array([v for v, _ in given])[None]
+        message = _compare_scores(got, np.asarray(ref_scores, dtype=np.float64)[cols][None], relation,
+                                  np.zeros(got.shape, dtype=bool), lambda: tolerance[cols][None],
+                                  lambda i: f"position {int(ref_positions[cols[i[-1]]])}",
+                                  np.asarray(ref_positions)[cols][None], False)
+        if message:
+            diverge(r, l, h, "score beyond tolerance", f"{where}: {message}")
+        return
+    for s, i in given:
         want = float(ref_scores[i])
         if not (s == want or abs(s - want) <= tolerance[i]):
             diverge(r, l, h, "score beyond tolerance",
-                    f"{where}: position {int(p)}: candidate score {fmt(s)}, reference {fmt(want)} "
+                    f"{where}: position {int(ref_positions[i])}: candidate score {fmt(s)}, reference {fmt(want)} "
                     f"(|difference| {fmt(abs(s - want), 3)} > tolerance {fmt(tolerance[i], 3)})")
             return
 

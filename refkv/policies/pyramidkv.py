@@ -27,7 +27,7 @@ from ..cache import FieldSpec
 from ..model.config import ModelConfig
 from ..validation import check_choice, check_float, check_int
 from .adakv import build_base
-from .base import Policy, View, register
+from .base import AttentionNeed, Policy, View, register
 from .card import PolicyCard
 
 __all__ = ["FORMS", "PyramidKV", "kvpress_schedule", "pyramid_schedule"]
@@ -190,6 +190,10 @@ class PyramidKV(Policy):
         if min(budgets) < 1:
             raise ValueError(f"budget must leave every layer at least one token under beta={self.beta}: the "
                              f"schedule for budget={budget} is {budgets}")
+
+    def attention_need(self) -> AttentionNeed:
+        """The base's (the base's scores are all this policy reads of the weights)."""
+        return self._base.attention_need()
 
     def fields(self, config: ModelConfig) -> dict[str, FieldSpec]:
         return self._base.fields(config)
