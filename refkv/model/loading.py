@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
 
+from ..files import file_kind
 from ..validation import check_int
 from .config import TINY, ModelConfig
 from .decoder import Model
@@ -65,6 +67,9 @@ def model_path(name) -> Path:
     if not path.exists():
         raise ModelNotFoundError(f"model {str(name)!r} not found: not a known name ('tiny', 'smollm2') "
                                  f"nor an existing .gguf file or checkpoint directory")
+    mode = path.stat().st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a FIFO would block the reader, a device never end
+        raise ValueError(f"model {str(name)!r} is {file_kind(mode)}, not a .gguf file or a checkpoint directory")
     return path
 
 
