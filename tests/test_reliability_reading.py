@@ -212,3 +212,15 @@ def test_read_36_05_overlap_kept_named_with_file(tmp_path):
     with pytest.raises(ValueError, match=r"overlap\.jsonl: the records of sink and knorm .* disagree"):
         summarise(records, tmp_path / "overlap", Settings())
     assert np.isclose(summarise.__globals__["mean_jaccard"]([[[0, 1]]], [[[1, 2]]]), 1 / 3)
+
+
+def test_read_36_table():
+    """Every row of the issue-36 reading table has tests ``test_read_36_<NN>_*`` and every such test a row."""
+    text = (ROOT / "docs" / "guide" / "reliability.rst").read_text()
+    table = text[text.index(".. table:: Issue 36, reading"):]
+    table = table[:table.index("Each row's tests")]
+    rows = {int(m.group(1)): (int(m.group(2)), int(m.group(3)))
+            for m in re.finditer(r"^\s+(\d+)\s{2,}.+?\s{2,}\w+\s+(\d+)\s+(\d+)\s*$", table, re.MULTILINE)}
+    assert sorted(rows) == list(range(1, 6)) and all(tried == clear for tried, clear in rows.values())
+    tested = {int(n) for n in re.findall(r"^def test_read_36_(\d\d)_", Path(__file__).read_text(), re.MULTILINE)}
+    assert tested == set(rows)
