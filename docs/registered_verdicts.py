@@ -32,7 +32,6 @@ committed CSVs (before the run is published they say so).
 from __future__ import annotations
 
 import csv
-import json
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -46,6 +45,7 @@ from refkv.experiments.registered import (
     geometry_comparisons,
     passkey_comparisons,
     perplexity_comparisons,
+    read_registration,
     unit_rows,
     verdict_rows,
 )
@@ -61,7 +61,7 @@ COLUMNS = ["claim", "a", "b", "n", "unit", "estimate", "low", "high", "p", "p_ho
 
 def registration() -> dict:
     """The registered design as committed."""
-    return json.loads(REGISTRATION.read_text(encoding="utf-8"))
+    return read_registration(REGISTRATION)  # validated: one-line errors naming the file and key
 
 
 def tables(results: Path) -> dict[str, list[dict]]:

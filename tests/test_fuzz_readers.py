@@ -293,3 +293,105 @@ def test_fuzz_results_jsonl(tmp_path_factory, lines, newline):
     assert all(isinstance(r, dict) and isinstance(r["key"], str) for r in records)
     cut_partial_tail(path)
     assert path.read_bytes() == b"" or path.read_bytes().endswith(b"\n")
+
+
+# -- issue 36: schedule goldens, overlap resume records, the registration file -----------------------------
+#: Fewer examples each: three more fuzzers within the file's minute.
+FUZZ_36 = settings(FUZZ, max_examples=60)
+FUZZ_36_SCHEDULE = settings(FUZZ, max_examples=40)  # a golden read per example: the slowest
+SCHEDULE_STEM = "e2e/keydiff/sched-oneshot-K4-N16-float64"
+#: Values a forged size takes: huge, negative, zero, fractional, a string of digits.
+SIZES = st.sampled_from([10**9, 2**31, 2**63, 10**400, -1, 0, 1.5, "16", None]) | st.integers(-5, 10**12)
+
+
+@FUZZ_36_SCHEDULE
+@given(data=st.data())
+def test_fuzz_schedule_manifests(tmp_path_factory, data):
+    """A schedule golden's manifest (no suite.json, so no checksum) with one field replaced: it
+    reads as the manifest it was, or is refused naming the file -- never a traceback, never an
+    allocation sized by a forged number (``d_head`` of 10**9 took 7.45 GiB)."""
+    import shutil
+
+    from refkv.oracle.endtoend import read_end_to_end
+
+    manifest = json.loads((GOLDEN / f"{SCHEDULE_STEM}.json").read_text())
+    # Where sizes and lengths live (what the check sizes arrays by), replaced by a size-like
+    # value half of the time (huge, negative, fractional, a string) and any JSON value otherwise.
+    paths = [p for p in _paths(manifest) if p[:2] in (("model", "config"), ("prompt", "length"),
+                                                       ("decode", "length"), ("schedule",), ("tolerance",))
+             or p in (("dtype",), ("policy",), ("rounds",))]
+    path_to = data.draw(st.sampled_from(paths))
+    value = data.draw(SIZES | JSON)
+    tampered = _replace(manifest, path_to, value)
+    folder = tmp_path_factory.mktemp("s")
+    name = Path(SCHEDULE_STEM).name
+    shutil.copy(GOLDEN / f"{SCHEDULE_STEM}.npz", folder / f"{name}.npz")
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(tampered))
+    golden = _outcome(lambda: read_end_to_end(path), name)
+    if golden is not None:  # accepted: every size the check uses is the arrays' own
+        cfg = golden.manifest["model"]["config"]
+        kept = golden.arrays["kept"]
+        assert (kept.shape[1], kept.shape[2]) == (cfg["n_layers"], cfg["n_kv_heads"])
+        assert 1 <= cfg["d_head"] <= 1 << 18
+        assert golden.arrays["prompt"].shape == (golden.manifest["prompt"]["length"],)
+        assert golden.arrays["decode"].shape == (golden.manifest["decode"]["length"],)
+
+
+_KEPT_RESULT = {"tokens": 6, "kept": [[[0, 1, 5], [0, 2, 5]], [[1, 3, 5], [0, 4, 5]]]}
+
+
+@FUZZ_36
+@given(result=mutated(_KEPT_RESULT) | st.sampled_from([{}, {"kept": "x"}, {"tokens": 6, "kept": [[[10**9]]]}]))
+def test_fuzz_overlap_records(tmp_path_factory, result):
+    """An overlap record whose result is replaced: it counts as finished only if it is a result
+    :func:`~refkv.experiments.overlap.run_cell` could make; otherwise it is skipped with a warning
+    naming the file and line (its cell runs again)."""
+    from refkv.experiments.overlap import EXPERIMENT
+    from refkv.experiments.records import read_records
+
+    path = tmp_path_factory.mktemp("o") / "overlap.jsonl"
+    record = {"key": "k", "params": {"policy": "sink"}, "result": result}
+    path.write_text(json.dumps(record) + "\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = read_records(path, EXPERIMENT.check_result)
+    if records:
+        kept, tokens = records[0]["result"].get("kept"), records[0]["result"].get("tokens")
+        if kept is not None:  # a finished cell: positions inside its prompt, as many heads per layer
+            assert all(isinstance(p, int) and 0 <= p < tokens for layer in kept for row in layer for p in row)
+            assert len({len(layer) for layer in kept}) == 1
+        else:
+            assert isinstance(records[0]["result"]["skipped"], str)
+    else:
+        assert any(f"{path}:1" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+@pytest.fixture(scope="module")
+def registration_doc():
+    return json.loads((ROOT / "docs" / "experiment_registration.json").read_text())
+
+
+@FUZZ_36
+@given(data=st.data())
+def test_fuzz_registration(tmp_path_factory, registration_doc, data):
+    """The registration file with one field replaced: read as valid (alpha in (0, 1), claims with
+    distinct string ids, known directions) or refused naming the file -- never a traceback."""
+    from refkv.experiments.registered import DIRECTIONS, read_registration
+
+    # A group first (alpha, the ceiling, the claims list, one claim field), then a place in it:
+    # each field the verdicts read is hit as often as any other.
+    groups = [[("alpha",)], [("samples", "passkey_ceiling_required")], [("claims",)]]
+    for field in ("id", "direction", "comparisons", "paper", "measure"):
+        groups.append([p for p in _paths(registration_doc) if len(p) >= 3 and p[0] == "claims" and p[2] == field])
+    place = data.draw(st.sampled_from(data.draw(st.sampled_from(groups))))
+    doc = _replace(registration_doc, place, data.draw(SIZES | JSON | st.just(float("nan"))))
+    path = tmp_path_factory.mktemp("g") / "registration.json"
+    path.write_text(json.dumps(doc))
+    reg = _outcome(lambda: read_registration(path), "registration.json")
+    if reg is not None:
+        assert 0 < reg["alpha"] < 1 and not isinstance(reg["alpha"], bool)
+        assert 0 < reg["samples"]["passkey_ceiling_required"] <= 1
+        ids = [c["id"] for c in reg["claims"]]
+        assert ids and all(isinstance(i, str) and i for i in ids) and len(set(ids)) == len(ids)
+        assert all(c["direction"] in DIRECTIONS for c in reg["claims"])

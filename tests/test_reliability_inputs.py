@@ -439,7 +439,7 @@ def test_attack_26_24_scheduler_address_is_checked_before_connecting(capsys, tmp
     (["run", "--policy", "expected_attention", "--param", "n_future_positions=10000000000"],
      "n_future_positions must be an integer in [1, 131072]"),
     (["run", "--policy", "snapkv", "--param", "kernel=1000000001"], "kernel must be an integer in [1, 131073]"),
-    (["run", "--prompt-len", "1000000000"], "--prompt-len has 1000000000 tokens, more than the model's context"),
+    (["run", "--prompt-len", "1000000000"], "--prompt-len must be an integer in [1, 131072], got 1000000000"),
     (["experiment", "passkey", "--passkey-lengths", "1000000000", "--model", "tiny", "--dry-run"],
      "passkey_lengths must be an integer in [64, 131072]"),
     (["experiment", "perplexity", "--texts", "1000000000", "--dry-run", "--model", "tiny"],

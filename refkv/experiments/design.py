@@ -112,6 +112,11 @@ class Experiment:
     exploratory : bool
         True for an experiment that re-tests no paper claim: ``refkv experiment all``
         leaves it out (run it by name).
+    check_result : callable or None
+        ``check_result(params, result)`` raises a one-line ValueError when a record's result
+        read back from the results file is not one this experiment's ``run`` makes (types,
+        ranges, sizes). Such a record does not count as finished: it is skipped with a warning
+        naming the file and line, and its cell runs again (:func:`refkv.experiments.records.read_records`).
     """
 
     name: str
@@ -123,3 +128,4 @@ class Experiment:
     options: tuple[Option, ...] = ()
     table: tuple[str, tuple[str, ...]] | None = None
     exploratory: bool = False
+    check_result: Callable[[dict, dict], None] | None = None

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..validation import MAX_CONTEXT, check_size, shown
 from .design import Experiment, Option
 from .grids import grid_axes, policy_cells
 from .models import load_model
@@ -33,7 +34,7 @@ from .stats import mean_std
 from .tables import write_csv
 from .text import cell_tokens
 
-__all__ = ["EXPERIMENT", "OVERLAP_PROMPTS", "cells", "jaccard", "mean_jaccard", "run_cell", "summarise"]
+__all__ = ["EXPERIMENT", "OVERLAP_PROMPTS", "cells", "check_result", "jaccard", "mean_jaccard", "run_cell", "summarise"]
 
 #: Prose prompts per cell (pydoc segments 0, 1, ...).
 OVERLAP_PROMPTS = Option("overlap_prompts", "prompts of the kept-set overlap cells", sizes=(1, 4, 10))
@@ -74,6 +75,42 @@ def run_cell(params: dict) -> dict:
     return {"tokens": len(tokens), "kept": kept}
 
 
+#: Most layers and KV heads a kept-set result may list (more than any model refkv reads).
+MAX_HEADS = 1 << 12
+
+
+def check_result(params: dict, result: dict) -> None:
+    """A cell's result as :func:`run_cell` makes it, or a one-line ValueError (the record is
+    then not counted as finished): ``{"skipped": reason}``, or ``tokens`` (an integer in
+    ``[1, MAX_CONTEXT]``) and ``kept[layer][head]``, lists of distinct integer positions in
+    ``[0, tokens)``, the same number of heads in every layer."""
+    if set(result) == {"skipped"}:
+        if not isinstance(result["skipped"], str):
+            raise ValueError(f"result.skipped must be a string, got {type(result['skipped']).__name__}")
+        return
+    if set(result) != {"tokens", "kept"}:
+        raise ValueError(f"result must hold 'tokens' and 'kept' (or only 'skipped'), got keys {sorted(result)[:6]}")
+    tokens = check_size("result.tokens", result["tokens"], 1, MAX_CONTEXT, why="the hard cap on lengths in tokens")
+    kept = result["kept"]
+    if not isinstance(kept, list) or not 1 <= len(kept) <= MAX_HEADS:
+        raise ValueError(f"result.kept must be a list of 1 to {MAX_HEADS} layers, got {shown(kept)}")
+    heads = None
+    for layer, rows in enumerate(kept):
+        if not isinstance(rows, list) or not 1 <= len(rows) <= MAX_HEADS or (heads is not None and len(rows) != heads):
+            raise ValueError(f"result.kept[{layer}] must be a list of KV heads, as many as in layer 0, got "
+                             f"{shown(rows)}")
+        heads = len(rows)
+        for head, row in enumerate(rows):
+            if not isinstance(row, list) or len(row) > tokens:
+                raise ValueError(f"result.kept[{layer}][{head}] must be a list of at most {tokens} positions, got "
+                                 f"{shown(row)}")
+            for p in row:
+                check_size(f"result.kept[{layer}][{head}] position", p, 0, tokens - 1,
+                           why=f"a position of the cell's {tokens} tokens")
+            if len(set(row)) != len(row):
+                raise ValueError(f"result.kept[{layer}][{head}] lists a position twice")
+
+
 def jaccard(a, b) -> float:
     """``|A & B| / |A | B|`` of two sets of positions (1 when both are empty)."""
     a, b = set(a), set(b)
@@ -100,9 +137,22 @@ def summarise(records: list[dict], folder: Path, settings: Settings) -> list[Pat
                 result["kept"]
             order.setdefault(params["policy"])
     per_pair: dict[tuple, list[float]] = {}
-    for (budget, block, _), by_policy in kept.items():
+    for (budget, block, segment), by_policy in kept.items():
         for a, b in combinations([p for p in order if p in by_policy], 2):
-            per_pair.setdefault((a, b, budget, block), []).append(mean_jaccard(by_policy[a], by_policy[b]))
+            try:
+                value = mean_jaccard(by_policy[a], by_policy[b])
+            except ValueError as err:
+                raise ValueError(f"{folder.parent / 'overlap.jsonl'}: the records of {a} and {b} (budget {budget}, "
+                                 f"block {block}, prompt {segment}) disagree: {err}; remove them to run them again") \
+                    from None
+            per_pair.setdefault((a, b, budget, block), []).append(value)
+    if not per_pair and records:
+        skipped = [(r["params"].get("policy"), r["result"]["skipped"]) for r in records if "skipped" in r["result"]]
+        ran = sorted(order)
+        why = (f"every cell was skipped ({skipped[0][0]}: {skipped[0][1]})" if len(skipped) == len(records)
+               else f"fewer than two policies ran on the same prompts (ran: {', '.join(ran) or 'none'}"
+                    + (f"; skipped: {skipped[0][0]}: {skipped[0][1]}" if skipped else "") + ")")
+        raise ValueError(f"overlap: no pair of policies to compare: {why}")
     rows = []
     for (a, b, budget, block), values in per_pair.items():
         mean, std, n = mean_std(values)
@@ -119,4 +169,4 @@ EXPERIMENT = Experiment(
     title="exploratory: Jaccard overlap of the kept sets of two policies, per prompt (layers and heads averaged)",
     cells=cells, run=run_cell, summarise=summarise, cost=cost, options=(OVERLAP_PROMPTS,),
     table=("overlap.csv", ("policy_a", "policy_b", "budget", "block", "jaccard", "jaccard_std", "prompts")),
-    exploratory=True)
+    exploratory=True, check_result=check_result)

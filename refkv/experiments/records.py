@@ -63,7 +63,7 @@ MAX_RECORDS_BYTES = 2**30
 MAX_RECORD_BYTES = 1 << 24
 
 
-def read_records(path) -> list[dict]:
+def read_records(path, check=None) -> list[dict]:
     """All complete records of a JSON-lines results file (``[]`` if it does not exist).
 
     A partial last line (a run killed mid-write) is ignored silently; a last line that
@@ -73,6 +73,11 @@ def read_records(path) -> list[dict]:
     levels) holding a string ``key``, a ``params`` object and a ``result`` object. Records
     with the same key: the last wins. The file must be a regular file (a FIFO or device is
     refused, a symlink out of its folder too) of at most :data:`MAX_RECORDS_BYTES`.
+
+    ``check(params, result)``, where given (the experiment's
+    :attr:`~refkv.experiments.design.Experiment.check_result`), validates each record's result
+    too: a record it refuses is skipped the same way, so a tampered or truncated result
+    (``"result": {}``, positions of 10**9) is never counted as a finished cell.
     """
     path = Path(path)
     if not (path.exists() or path.is_symlink()):
@@ -88,6 +93,8 @@ def read_records(path) -> list[dict]:
             continue
         try:
             record = _parse_record(line, f"{path}:{number}")
+            if check is not None:
+                check(record.get("params", {}), record.get("result", {}))
         except ValueError as err:
             warnings.warn(f"{path}:{number}: skipping an unreadable record ({err}); its cell runs again",
                           stacklevel=2)

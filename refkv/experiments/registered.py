@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..validation import shown
 from .stats import Interval, holm, mcnemar_exact, newcombe_paired_difference, paired_t_test
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "paper_effect",
     "passkey_comparisons",
     "perplexity_comparisons",
+    "read_registration",
     "unit_rows",
     "verdict_rows",
     "versus_paper",
@@ -42,6 +44,99 @@ __all__ = [
 
 #: Measures tested as paired binary outcomes; everything else is a paired mean.
 BINARY_MEASURES = ("passkey accuracy",)
+
+#: The claimed sides a registration may state.
+DIRECTIONS = ("A - B > 0", "A - B < 0", "statistic > 0", "statistic < 0")
+#: Largest registration file read, and most claims and comparisons per claim.
+MAX_REGISTRATION_BYTES = 1 << 20
+MAX_CLAIMS = 100
+
+
+def read_registration(path) -> dict:
+    """The registration file (``docs/experiment_registration.json``), read and validated.
+
+    Read as every JSON input of refkv is (:func:`refkv.files.load_json`: a regular file of at
+    most :data:`MAX_REGISTRATION_BYTES`, standard JSON without ``NaN``, depth-capped), then
+    checked for every field the verdicts use: ``alpha`` a number in ``(0, 1)``,
+    ``samples.passkey_ceiling_required`` in ``(0, 1]``, ``claims`` a non-empty list of at most
+    :data:`MAX_CLAIMS` objects with distinct string ids, a known ``direction``
+    (:data:`DIRECTIONS`), a string ``measure``, non-empty ``comparisons`` of ``[A, B]`` names
+    (``B`` may be null), and a ``paper`` that is null or holds finite numbers.
+
+    Raises
+    ------
+    ValueError
+        One line naming the file and the key: ``REG.json: claims[2].id must be a non-empty string, got [1]``.
+    """
+    from ..files import load_json
+    from ..validation import check_float
+
+    reg = load_json(path, MAX_REGISTRATION_BYTES, what="registration file")
+
+    def bad(key, what, value):
+        return ValueError(f"{path}: {key} must be {what}, got {shown(value)}")
+
+    def number(key, value, low=None, high=None, **open_):
+        try:
+            return check_float(key, value, low, high, **open_)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+
+    if not isinstance(reg, dict):
+        raise bad("the registration", "a JSON object", reg)
+    number("alpha", reg.get("alpha"), 0.0, 1.0, low_open=True, high_open=True)
+    samples = reg.get("samples")
+    if not isinstance(samples, dict):
+        raise bad("samples", "an object", samples)
+    number("samples.passkey_ceiling_required", samples.get("passkey_ceiling_required"), 0.0, 1.0, low_open=True)
+    claims = reg.get("claims")
+    if not isinstance(claims, list) or not 1 <= len(claims) <= MAX_CLAIMS:
+        raise bad("claims", f"a list of 1 to {MAX_CLAIMS} claims", claims)
+    seen = set()
+    for i, claim in enumerate(claims):
+        key = f"claims[{i}]"
+        if not isinstance(claim, dict):
+            raise bad(key, "an object", claim)
+        cid = claim.get("id")
+        if not isinstance(cid, str) or not cid:
+            raise bad(f"{key}.id", "a non-empty string", cid)
+        if cid in seen:
+            raise ValueError(f"{path}: {key}.id {cid!r} is given twice")
+        seen.add(cid)
+        if claim.get("direction") not in DIRECTIONS:
+            raise bad(f"{key}.direction", f"one of {', '.join(map(repr, DIRECTIONS))}", claim.get("direction"))
+        if not isinstance(claim.get("measure"), str):
+            raise bad(f"{key}.measure", "a string", claim.get("measure"))
+        pairs = claim.get("comparisons")
+        if not isinstance(pairs, list) or not 1 <= len(pairs) <= MAX_CLAIMS or not all(
+                isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)
+                and (pair[1] is None or isinstance(pair[1], str)) for pair in pairs):
+            raise bad(f"{key}.comparisons", "a non-empty list of [A, B] names (B may be null)", pairs)
+        _check_paper(claim.get("paper"), f"{key}.paper", number, bad)
+    return reg
+
+
+def _check_paper(paper, key: str, number, bad) -> None:
+    """A claim's registered paper effect: null, or an object whose numbers are all finite."""
+    if paper is None:
+        return
+    if not isinstance(paper, dict):
+        raise bad(key, "an object or null", paper)
+    for name in ("dense", "scale"):
+        if name in paper:
+            number(f"{key}.{name}", paper[name], 0.0 if name == "scale" else None, low_open=name == "scale")
+    for name in ("values", "gaps"):
+        table = paper.get(name)
+        if table is None:
+            continue
+        if not isinstance(table, dict):
+            raise bad(f"{key}.{name}", "an object", table)
+        for label, value in table.items():
+            values = value if name == "gaps" and isinstance(value, list) and len(value) == 2 else [value]
+            if name == "gaps" and len(values) != 2:
+                raise bad(f"{key}.gaps.{label}", "[without, with]", value)
+            for v in values:
+                number(f"{key}.{name}.{label}", v)
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ def plan(experiments: Sequence[Experiment], settings: Settings, out) -> tuple[li
     tasks, done = [], 0
     for experiment in experiments:
         path = out / f"{experiment.name}.jsonl"
-        finished = {r["key"] for r in read_records(path)}
+        finished = {r["key"] for r in read_records(path, experiment.check_result)}
         seen = set()
         for params in experiment.cells(settings):
             key = cell_key(params)
@@ -162,6 +162,6 @@ def run(experiments: Iterable[Experiment] | Experiment, settings: Settings | Non
 
 def grid_records(experiment: Experiment, settings: Settings, out) -> list[dict]:
     """The finished records of the experiment's current grid, in grid order."""
-    by_key = {r["key"]: r for r in read_records(Path(out) / f"{experiment.name}.jsonl")}
+    by_key = {r["key"]: r for r in read_records(Path(out) / f"{experiment.name}.jsonl", experiment.check_result)}
     keys = dict.fromkeys(cell_key(p) for p in experiment.cells(settings))
     return [by_key[k] for k in keys if k in by_key]

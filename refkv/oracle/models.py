@@ -18,8 +18,8 @@ from ..model import Model, builtin_model, families
 from .io import sha256, write_json, write_npz
 from .schema import header
 
-__all__ = ["DECODE_RULE", "MODELS", "PROMPT_RULE", "WEIGHTS_RULE", "build_model", "decode_tokens", "export_weights",
-           "is_checkpoint", "prompt_tokens"]
+__all__ = ["DECODE_RULE", "MODELS", "PROMPT_RULE", "WEIGHTS_RULE", "build_model", "context_of", "decode_tokens",
+           "export_weights", "is_checkpoint", "prompt_tokens"]
 
 #: How a golden's prompt is drawn from its seed (:func:`prompt_tokens`).
 PROMPT_RULE = "numpy.random.default_rng(seed).integers(0, vocab_size, length)"
@@ -48,6 +48,13 @@ def build_model(name: str, seed: int, dtype) -> Model:
     if name not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
     return MODELS[name](seed, np.dtype(dtype).name)
+
+
+def context_of(name: str) -> int:
+    """The context (``max_positions``) of model ``name`` of :data:`MODELS`, without building it."""
+    from ..model.config import TINY
+
+    return TINY.max_positions if name == "tiny" else families.family_config(name).max_positions
 
 
 def is_checkpoint(manifest: dict) -> bool:

@@ -15,6 +15,7 @@ from ..engine import Engine, blocks
 from ..model import Model
 from ..policies import Policy
 from ..schedule import run_schedule
+from ..validation import check_lengths
 from .encode import boundary_gap
 from .endtoend import PRINT_RULE, PRINT_SEED, fingerprints
 from .models import DECODE_RULE, PROMPT_RULE, WEIGHTS_RULE, build_model, decode_tokens, prompt_tokens
@@ -153,6 +154,11 @@ def run_schedule_golden(policy: Policy, schedule, *, dtype="float64", prompt_len
     builder = model
     model = built if built is not None else build_model(builder, model_seed, dtype)
     cfg = model.config
+    # Before the prompt, the tokens or any round is sized by them (a golden past the context
+    # would record positions the model was never trained for).
+    check_lengths({"prompt_length": (prompt_length, 1), "new_tokens": (schedule.new_tokens, 0),
+                   "interval": (schedule.interval, 1), "block_size": (schedule.block_size, 1)},
+                  cfg.max_positions, model=builder, within=("prompt_length", "new_tokens"))
     prompt = prompt_tokens(prompt_seed, prompt_length, cfg.vocab_size)
     new = decode_tokens(decode_seed, schedule.new_tokens, cfg.vocab_size)
     engine = Engine(model, policy, None, record="views")

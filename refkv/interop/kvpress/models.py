@@ -14,7 +14,8 @@ import transformers
 
 from ...model import load
 from ...oracle.hfexport import hf_config_dict, hf_tensors
-from ...oracle.models import build_model
+from ...oracle.models import MODELS, build_model
+from ...validation import check_int, shown
 
 __all__ = ["DTYPES", "compression_ratio", "hf_model", "model_of"]
 
@@ -62,9 +63,24 @@ def hf_model(model, dtype: str = "float32", attention: str = "eager"):
 def model_of(manifest: dict):
     """The refkv model a golden was generated with (a built-in tiny model, or its checkpoint)."""
     m = manifest["model"]
-    builder = m.get("builder", "tiny")
-    try:
-        return build_model(builder, m.get("seed", 0), "float64")
-    except ValueError:
-        return load(builder, dtype=np.float64)
+    builder, seed = m.get("builder", "tiny"), m.get("seed", 0)
+    if not isinstance(builder, str) or not builder:
+        raise ValueError(f"the golden's model.builder must be a model name or checkpoint path, got {builder!r}")
+    check_int("the golden's model.seed", seed, 0)
+    if builder in MODELS:
+        model = build_model(builder, seed, "float64")
+    else:
+        model = load(builder, dtype=np.float64)
+    # The arrays are indexed by the manifest's layers and heads: a builder edited to another
+    # model would index past them (an IndexError deep in the run) or compare the wrong model.
+    stated = m.get("config")
+    if isinstance(stated, dict):
+        built = model.config.to_dict()
+        differ = sorted(k for k in stated if k != "name" and k in built and stated[k] != built[k])
+        if differ or set(stated) - set(built):
+            key = differ[0] if differ else sorted(set(stated) - set(built))[0]
+            raise ValueError(f"the golden's model.builder {builder!r} builds a model unlike its model.config "
+                             f"({key}: {shown(built.get(key))} built, {shown(stated[key])} stated); the golden was "
+                             f"edited or belongs to another model")
+    return model
 

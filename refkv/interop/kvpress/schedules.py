@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from ...oracle.endtoend import EndToEnd, is_schedule, policy_from_manifest, read_end_to_end, write_end_to_end
+from ...oracle.io import read_json
 from ...oracle.ownstate import query_rows
 from ...oracle.schema import E2E_SCHEMA, SCHEDULE_VERSION, header
 from ...policies import get as get_policy
@@ -222,11 +223,15 @@ def schedule_goldens(reference, policy: str | None = None) -> list[tuple[str, En
     for path in sorted(reference.rglob("*.json")):
         if path.name == "suite.json":
             continue
-        try:
-            g = read_end_to_end(path)
-        except ValueError:
+        # Only a file that is not a schedule golden at all is passed over (vectors, a weights
+        # manifest); a schedule golden that fails its reading -- a checksum, a corrupted .npz,
+        # a bad manifest -- is an error naming the file, never "no schedule golden here".
+        head = read_json(path)  # a .json file there that is not JSON at all is an error too
+        if head.get("schema") != E2E_SCHEMA or not is_schedule(head):
             continue
-        if is_schedule(g.manifest) and (policy is None or g.manifest["policy"]["name"] == policy):
+        g = read_end_to_end(path)
+        name = g.manifest["policy"].get("name") if isinstance(g.manifest.get("policy"), dict) else None
+        if policy is None or name == policy:
             out.append((path.relative_to(reference).as_posix(), g))
     return out
 
