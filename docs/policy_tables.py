@@ -10,7 +10,9 @@ The README's table (under "What is implemented, against the papers") and the lis
 :class:`refkv.policies.PolicyCard` (``citation``, ``score_rule``, ``protects``,
 ``implements``, in ``table_order``) and its protocol (``needs``, ``evicts``,
 ``evict_before_attention``): a new policy appears in both by itself. The rest of either
-file is left as it is. ``tests/docs/test_docs.py`` fails while the files and the registry disagree.
+file is left as it is. The forms table of ``docs/policies/index.rst`` is written from each
+policy's declared forms (:func:`refkv.policies.policy_forms`, as ``refkv policies --forms``
+prints them). ``tests/docs/test_docs.py`` fails while the files and the registry disagree.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import textwrap
 from pathlib import Path
 
 from refkv.files import atomic_write
-from refkv.policies import Policy, available, policy_class
+from refkv.policies import Policy, available, policy_class, policy_forms
 
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The first line of the docs table's directive; the block it opens is the table.
 DOCS_TABLE_HEAD = ".. list-table:: Policies at a glance (scores: higher = keep)"
+#: The first line of the forms table's directive (``refkv policies --forms`` as a table).
+FORMS_TABLE_HEAD = ".. list-table:: Forms of every policy (``refkv policies --forms``)"
 #: The README heading under which the first simple table is the policy table.
 README_HEADING = "What is implemented, against the papers"
 
@@ -54,6 +58,21 @@ def docs_table(pages: Path) -> str:
         card = cls.card
         rows.append([link, card.citation or card.paper, card.score_rule or "--", card.protects,
                      "yes" if "attention" in cls.needs else "no", _evicts(cls)])
+    for row in rows:
+        lines.append(f"   * - {row[0]}")
+        lines.extend(f"     - {cell}" for cell in row[1:])
+    return "\n".join(lines) + "\n"
+
+
+def forms_table() -> str:
+    """The reST list-table of every registered policy's forms (:func:`refkv.policies.policy_forms`):
+    policy, form, source, how it is proven identical to that source."""
+    lines = [FORMS_TABLE_HEAD, "   :header-rows: 1", "   :widths: 12 9 45 34", ""]
+    rows = [["policy", "form", "source", "proven identical to the source"]]
+    for name in available():
+        for form, entry in policy_forms(policy_class(name)).items():
+            rows.append([f"``{name}``", form, entry["source"].replace("*", "\\*"),
+                         (entry["proven"] or "--").replace("*", "\\*")])
     for row in rows:
         lines.append(f"   * - {row[0]}")
         lines.extend(f"     - {cell}" for cell in row[1:])
@@ -90,9 +109,10 @@ def _block_span(text: str, start: int) -> int:
 
 
 def replace_block(text: str, which: str, table: str) -> str:
-    """``text`` (index.rst for ``which="docs"``, the README for ``"readme"``) with its table replaced."""
-    if which == "docs":
-        start = text.index(DOCS_TABLE_HEAD)
+    """``text`` (index.rst for ``which="docs"`` or ``"forms"``, the README for ``"readme"``) with
+    its table replaced."""
+    if which in ("docs", "forms"):
+        start = text.index(DOCS_TABLE_HEAD if which == "docs" else FORMS_TABLE_HEAD)
         return text[:start] + table + "\n" + text[_block_span(text, start):]
     start = text.index("=", text.index(README_HEADING) + 2 * len(README_HEADING) + 2)
     borders, pos = 0, start
@@ -107,10 +127,12 @@ def update_files(root: Path = ROOT, *, write: bool = True) -> list[Path]:
     """Rewrite the two tables under the repository ``root``; the files that were (or would be) changed."""
     changed = []
     pages = root / "docs" / "policies"
-    for path, which, table in ((root / "README.rst", "readme", readme_table()),
-                               (pages / "index.rst", "docs", docs_table(pages))):
-        old = path.read_text(encoding="utf-8")
-        new = replace_block(old, which, table)
+    targets = {root / "README.rst": [("readme", readme_table())],
+               pages / "index.rst": [("docs", docs_table(pages)), ("forms", forms_table())]}
+    for path, tables in targets.items():
+        old = new = path.read_text(encoding="utf-8")
+        for which, table in tables:
+            new = replace_block(new, which, table)
         if new != old:
             changed.append(path)
             if write:

@@ -180,12 +180,20 @@ def _check_block(policy, budget: int, block: int, config, *, chosen: bool, at_le
 
 def add_policies_command(sub) -> None:
     p = sub.add_parser("policies", help="list the eviction policies")
+    p.add_argument("--forms", action="store_true",
+                   help="list every policy's forms (paper, authors', kvpress) with source and proof")
     p.set_defaults(func=_cmd_policies)
 
 
 def _cmd_policies(args) -> int:
     names = policies.available()
     width = max(map(len, names))  # the longest name sets the column, so every row lines up
+    if getattr(args, "forms", False):
+        for name in names:
+            for form, entry in policies.policy_forms(policies.policy_class(name)).items():
+                print(f"{name:<{width}}  {form:<8}  source: {entry['source']}")
+                print(f"{'':<{width}}  {'':<8}  proven: {entry['proven'] or 'not proven against code'}")
+        return 0
     for name in names:
         cls = policies.policy_class(name)
         print(f"{name:<{width}}  {cls.card.summary}")

@@ -32,6 +32,7 @@ from .base import (
     first_tokens,
     get,
     policy_class,
+    policy_forms,
     recent_tokens,
     register,
     select,
@@ -40,4 +41,4 @@ from .base import (
 from .card import PolicyCard
 
 __all__ = ["SIGNALS", "AttentionNeed", "Policy", "PolicyCard", "View", "available", "check_int", "first_tokens",
-           "get", "policy_class", "recent_tokens", "register", "select", "select_heads"]
+           "get", "policy_class", "policy_forms", "recent_tokens", "register", "select", "select_heads"]

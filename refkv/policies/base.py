@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import ClassVar
 
 import numpy as np
@@ -55,7 +56,7 @@ import numpy as np
 from ..attention import AttentionNeed, AttentionSummary
 from ..cache import EMPTY, FieldSpec
 from ..model.config import ModelConfig
-from ..validation import check_int  # re-exported: policies import it from here
+from ..validation import check_choice, check_int  # check_int re-exported: policies import it from here
 from .card import PolicyCard
 
 __all__ = [
@@ -68,11 +69,15 @@ __all__ = [
     "first_tokens",
     "get",
     "policy_class",
+    "policy_forms",
     "recent_tokens",
     "register",
     "select",
     "select_heads",
 ]
+
+#: Tie orders of :func:`select`: the shared rule, and the authors' forms' CUDA topk order.
+TIE_ORDERS = ("recent", "older")
 
 #: Signals a policy may declare in ``needs``.
 SIGNALS = frozenset({"keys", "values", "queries", "attention", "positions"})
@@ -228,6 +233,11 @@ class Policy:
         False leaves the policy out of the experiments' default lists (AdaKV and PyramidKV:
         the experiments' measurements read every head's cache as ``N`` real tokens, and
         their registered plans predate these policies); it can still be named explicitly.
+    forms : mapping of str to dict
+        The forms the policy implements, each ``{"source": where it comes from (a paper
+        section, ``repo@commit:file``, ``kvpress X.Y.Z``), "proven": how it is shown identical
+        to that source (a test, a harness) or None}``; ``"paper"`` is the default form.
+        :func:`policy_forms` reads it (``refkv policies --forms``, the docs' forms table).
 
     Methods
     -------
@@ -245,6 +255,7 @@ class Policy:
     nonnegative_scores: ClassVar[bool] = False
     evicts: ClassVar[bool] = True
     in_experiments: ClassVar[bool] = True
+    forms: ClassVar[Mapping] = MappingProxyType({})
 
     # -- the protocol ----------------------------------------------------------------
     def check(self, budget: int, config: ModelConfig) -> None:
@@ -311,6 +322,11 @@ class Policy:
         total: the counts sum to ``view.keep * Hkv`` (or to every real token, if fewer)."""
         return np.minimum(view.keep, view.head_lengths)
 
+    def tie_order(self) -> str:
+        """Which token an exact tie keeps: ``"recent"`` (the shared rule, the default) or
+        ``"older"`` (an authors' form whose code keeps the older one: CUDA ``torch.topk``)."""
+        return "recent"
+
     def keep_indices(self, view: View):
         """The tokens to keep per head: :func:`select` of this policy's scores and protected set.
 
@@ -321,9 +337,10 @@ class Policy:
         ``head_budgets(view)[h]`` tokens (:func:`select_heads`).
         """
         budgets = self.head_budgets(view)
+        ties = self.tie_order()
         if np.all(budgets == min(view.keep, view.n)):
-            return select(self.score(view), view.positions, view.keep, self.protected(view))
-        return select_heads(self.score(view), view.positions, budgets, self.protected(view))
+            return select(self.score(view), view.positions, view.keep, self.protected(view), ties=ties)
+        return select_heads(self.score(view), view.positions, budgets, self.protected(view), ties=ties)
 
     # -- description -----------------------------------------------------------------
     def params(self) -> dict:
@@ -336,7 +353,7 @@ class Policy:
 
 
 def select(scores: np.ndarray, positions: np.ndarray, budget: int,
-           protected: np.ndarray | None = None) -> np.ndarray:
+           protected: np.ndarray | None = None, *, ties: str = "recent") -> np.ndarray:
     """Turn scores, a protected mask and a budget into the indices to keep.
 
     The one selection routine (KeyDiff Eq. 5's ``topk``) that every policy uses.
@@ -354,6 +371,10 @@ def select(scores: np.ndarray, positions: np.ndarray, budget: int,
         evicted before attention).
     protected : (Hkv, n) bool array, optional
         Tokens that must be kept; there must be at most ``budget`` per head.
+    ties : {"recent", "older"}, default "recent"
+        Which of two equal scores is kept: the more recent token (the shared rule) or the
+        older one (the order of CUDA ``torch.topk`` on a cache in position order, which the
+        authors' forms of H2O and TOVA reproduce).
 
     Returns
     -------
@@ -363,6 +384,7 @@ def select(scores: np.ndarray, positions: np.ndarray, budget: int,
     if scores.shape != positions.shape:
         raise ValueError(f"scores must have shape {positions.shape} (like positions), got {scores.shape}")
     check_int("budget", budget, 0)
+    check_choice("ties", ties, TIE_ORDERS)
     if np.isnan(scores).any():
         raise ValueError("scores contain NaN; a policy must return comparable scores")
     if protected is None:
@@ -377,19 +399,21 @@ def select(scores: np.ndarray, positions: np.ndarray, budget: int,
     kept = np.empty((n_kv, m), dtype=np.int64)
     for h in range(n_kv):
         # lexsort sorts by its last key first: protected, then score, then position,
-        # all descending (hence the negations; -0.0 == 0.0 so signed zeros tie).
-        order = np.lexsort((-positions[h], -scores[h], ~protected[h]))
+        # all descending (hence the negations; -0.0 == 0.0 so signed zeros tie); with
+        # ties="older" the position ascends instead.
+        tiebreak = -positions[h] if ties == "recent" else positions[h]
+        order = np.lexsort((tiebreak, -scores[h], ~protected[h]))
         kept[h] = np.sort(order[:m])
     return kept
 
 
-def select_heads(scores: np.ndarray, positions: np.ndarray, budgets, protected: np.ndarray | None = None
-                 ) -> list[np.ndarray]:
+def select_heads(scores: np.ndarray, positions: np.ndarray, budgets, protected: np.ndarray | None = None,
+                 *, ties: str = "recent") -> list[np.ndarray]:
     """:func:`select` with a budget per head: head ``h`` keeps ``budgets[h]`` of its real tokens.
 
     Parameters
     ----------
-    scores, positions, protected
+    scores, positions, protected, ties
         As for :func:`select`; empty slots (position :data:`refkv.cache.EMPTY`, after a head's
         real tokens) are never candidates.
     budgets : (Hkv,) ints
@@ -411,7 +435,7 @@ def select_heads(scores: np.ndarray, positions: np.ndarray, budgets, protected: 
     for h, budget in enumerate(budgets):
         real = int(np.count_nonzero(positions[h] != EMPTY))  # real tokens first, then empty slots
         kept.append(select(scores[h:h + 1, :real], positions[h:h + 1, :real], int(budget),
-                           protected[h:h + 1, :real])[0])
+                           protected[h:h + 1, :real], ties=ties)[0])
     return kept
 
 
@@ -473,6 +497,19 @@ def get(name: str, **params) -> Policy:
         listed = ", ".join(allowed) if allowed else "none"
         raise ValueError(f"policy {name!r} has no parameter {unknown[0]!r}; allowed: {listed}")
     return cls(**params)
+
+
+def policy_forms(cls: type[Policy]) -> dict[str, dict]:
+    """The forms a policy class declares (:attr:`Policy.forms`), in order, ``"paper"`` first.
+
+    A class that declares none has the one paper form, its source the card's ``paper``
+    line and nothing proven against code.
+    """
+    declared = cls.__dict__.get("forms") or {"paper": {"source": cls.card.paper, "proven": None}}
+    for form, entry in declared.items():
+        if set(entry) != {"source", "proven"}:
+            raise ValueError(f"{cls.__name__}.forms[{form!r}] must have exactly the keys source and proven")
+    return dict(declared)
 
 
 def available() -> list[str]:

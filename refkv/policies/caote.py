@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -207,6 +208,9 @@ class Caote(Policy):
         variants=({"fast": True}, {"base": "tova"},
                   {"base": "snapkv", "base_params": {"window": 4, "kernel": 3}}),
     )
+    forms = MappingProxyType({
+        "paper": {"source": "Goel et al. 2025, CAOTE Eqs. 8, 19-22 (no code public)", "proven": None},
+    })
     needs = frozenset({"attention", "values"})
     nonnegative_scores = True
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -158,6 +159,8 @@ class ExpectedAttention(Policy):
         table_order=65,
         variants=({"use_covariance": False}, {"use_vnorm": False, "n_future_positions": 16}),
     )
+    forms = MappingProxyType({"paper": {"source": "kvpress 0.5.5 ExpectedAttentionPress (NVIDIA; no paper)",
+                       "proven": "tests/interop/test_interop_kvpress.py (end to end)"}})
     needs = frozenset({"keys", "values", "queries", "positions"})
     nonnegative_scores = True
 

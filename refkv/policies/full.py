@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -33,6 +34,7 @@ class Full(Policy):
         implements="no eviction (baseline)",
         table_order=0,
     )
+    forms = MappingProxyType({"paper": {"source": "no eviction (the baseline)", "proven": None}})
     evicts = False
     nonnegative_scores = True
 

@@ -14,15 +14,23 @@ accumulator is per-token state, a cache field evicted together with its token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
 from ..cache import FieldSpec
 from ..model.config import ModelConfig
+from ..validation import check_choice
 from .base import AttentionNeed, Policy, View, check_int, recent_tokens, register
 from .card import PolicyCard
 
-__all__ = ["FIELD", "H2O", "accumulated_attention"]
+__all__ = ["FIELD", "FORMS", "H2O", "accumulated_attention"]
+
+#: The forms of :class:`H2O`: the paper's and the authors' real-drop cache's.
+FORMS = ("paper", "authors")
+
+#: Where the authors' form was read (docs/policies/h2o.rst, "Authors' code").
+AUTHORS_CODE = "FMInference/H2O@ac75c2a8a9e76832b2a4139b9363373b56336bfb"
 
 #: Name of the cache field holding the accumulated attention (float64).
 FIELD = "h2o_accumulated"
@@ -64,6 +72,14 @@ class H2O(Policy):
         ``N`` of each eviction (H2O's even split between heavy hitters and recent tokens).
         An explicit ``recent`` must be smaller than the budget (at least one heavy-hitter
         slot): :meth:`check` raises :class:`ValueError` otherwise.
+    form : {"paper", "authors"}, default "paper"
+        ``"authors"`` reproduces the decisions of the authors' real-drop cache
+        (FMInference/H2O@ac75c2a8:h2o_hf/utils_real_drop/modify_llama.py:242-329,
+        ``H2OKVCache_LayerWise``): the same accumulated scores, the last ``recent_size``
+        kept and the ``hh_size`` largest of the rest (lines 271-276), ties at that boundary
+        to the older token as CUDA ``torch.topk`` orders them (line 272; :meth:`tie_order`).
+        Use ``recent=recent_size`` and the budget ``hh_size + recent_size``. That cache runs
+        on models without GQA only (its per-query-head mask cannot index GQA keys, 282).
 
     Notes
     -----
@@ -97,17 +113,29 @@ class H2O(Policy):
         protects="last :math:`N/2`",
         implements="H2O (Zhang et al. 2023): accumulated attention + recent window",
         table_order=30,
-        variants=({"recent": 2},),
+        variants=({"recent": 2}, {"recent": 2, "form": "authors"}),
     )
+    forms = MappingProxyType({
+        "paper": {"source": "Zhang et al. 2023, Alg. 1 / Sec. 4 (KeyDiff App. A.1: A_prev + A^T 1)",
+                  "proven": None},
+        "authors": {"source": f"{AUTHORS_CODE}:h2o_hf/utils_real_drop/modify_llama.py (H2OKVCache_LayerWise)",
+                    "proven": None},
+    })
     needs = frozenset({"attention"})
     #: Scores are sums of attention weights, >= 0 (CAOTE may wrap this policy).
     nonnegative_scores = True
 
     recent: int | None = None
+    form: str = "paper"
 
     def __post_init__(self):
         if self.recent is not None:
             check_int("recent", self.recent, 0)
+        check_choice("form", self.form, FORMS)
+
+    def tie_order(self) -> str:
+        """``"older"`` for the authors' form (CUDA ``torch.topk``, modify_llama.py:272), else the shared rule."""
+        return "older" if self.form == "authors" else "recent"
 
     def recent_window(self, budget: int) -> int:
         """``r`` for an eviction keeping ``budget`` tokens: ``recent`` or ``budget // 2``."""

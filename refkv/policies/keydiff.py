@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -276,6 +277,11 @@ class KeyDiff(Policy):
         variants=({"anchor": "pairwise"}, {"anchor": "mean"}, {"anchor": "median"}, {"metric": "dot"},
                   {"metric": "euclidean"}, {"reserve": 0.25}),
     )
+    forms = MappingProxyType({
+        "paper": {"source": "Park et al. 2025, KeyDiff Eq. 8, block mode (no authors' code public)", "proven": None},
+        "kvpress": {"source": "kvpress 0.5.5 KeyDiffPress (third-party; = paper form's score)",
+                    "proven": "tests/interop/test_interop_kvpress.py"},
+    })
     needs = frozenset({"keys", "positions"})
 
     anchor: str = "unit_mean"

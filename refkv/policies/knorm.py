@@ -32,6 +32,7 @@ Notes
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -82,6 +83,13 @@ class Knorm(Policy):
         table_order=60,
         variants=({"skip_layers": (0, 3)},),
     )
+    forms = MappingProxyType({
+        "paper": {"source": "Devoto et al. 2024, Sec. 3 (keep the lowest key norms)", "proven": None},
+        "authors": {"source": "alessiodevoto/l2compress@f93d6ca2702d85a2db97d2ef350b44d955609761:cache.py "
+                              "(l2_compress, once after the prompt; = paper form with N = ceil(r T))",
+                    "proven": "by reading: the same score and count, cache.py:39-53 (docs/policies/knorm.rst)"},
+        "kvpress": {"source": "kvpress 0.5.5 KnormPress", "proven": "tests/interop/test_interop_kvpress.py"},
+    })
     needs = frozenset({"keys", "positions"})
 
     skip_layers: tuple = ()

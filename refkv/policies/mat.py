@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -214,6 +215,9 @@ class MAT(Policy):
         table_order=90,
         variants=({"beta": 2},),
     )
+    forms = MappingProxyType({
+        "paper": {"source": "MAT (anonymous ACL submission), Alg. 1, Eqs. 3-5 (no code public)", "proven": None},
+    })
     needs = frozenset({"keys", "queries", "positions"})
     evict_before_attention = True
 

@@ -19,6 +19,7 @@ a megabyte per cached token and head before any eviction could help.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -140,6 +141,9 @@ class Scissorhands(Policy):
         table_order=50,
         variants=({"history": 6, "sink": 1, "recent": 2},),
     )
+    forms = MappingProxyType({
+        "paper": {"source": "Liu et al. 2023, Scissorhands Alg. 1-2 (no authors' code public)", "proven": None},
+    })
     needs = frozenset({"attention"})
     #: Scores are counts, >= 0 (CAOTE may wrap this policy).
     nonnegative_scores = True

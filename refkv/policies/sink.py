@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -42,6 +43,14 @@ class Sink(Policy):
         table_order=10,
         variants=({"sink": 1},),
     )
+    forms = MappingProxyType({
+        "paper": {"source": "Xiao et al. 2024, StreamingLLM Sec. 3.2 (first s + last N - s)", "proven": None},
+        "authors": {"source": "mit-han-lab/streaming-llm@2e5042606d69933d88fbf909bd77907456b9b4dd:"
+                              "streaming_llm/kv_cache.py (StartRecentKVCache; = paper form)",
+                    "proven": "by reading: the same positional rule, kv_cache.py:43-51 (docs/policies/index.rst)"},
+        "kvpress": {"source": "kvpress 0.5.5 StreamingLLMPress (kept sets)",
+                    "proven": "tests/interop/test_interop_kvpress.py"},
+    })
     nonnegative_scores = True
     needs = frozenset({"positions"})
 

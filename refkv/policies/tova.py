@@ -12,13 +12,21 @@ so the score of token ``j`` is the attention weight that the block's last query 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
+from ..validation import check_choice
 from .base import AttentionNeed, Policy, View, register
 from .card import PolicyCard
 
-__all__ = ["TOVA", "last_query_attention"]
+__all__ = ["FORMS", "TOVA", "last_query_attention"]
+
+#: The forms of :class:`TOVA`: the paper's (group mean per KV head) and the authors' code's.
+FORMS = ("paper", "authors")
+
+#: Where the authors' form was read (docs/policies/tova.rst, "Authors' code").
+AUTHORS_CODE = "schwartz-lab-NLP/TOVA@9c7d09bfff64cfc92cfb5f9d7e138cb04866e5a7"
 
 
 def last_query_attention(attention: np.ndarray) -> np.ndarray:
@@ -51,6 +59,11 @@ class TOVA(Policy):
         Average the last query's weights over *all* query heads of the layer (what the
         official TOVA code does) instead of over each KV head's query group. Every KV head
         then gets the same scores, so all heads keep the same tokens.
+    form : {"paper", "authors"}, default "paper"
+        ``"authors"`` reproduces the decisions of the authors' ``TOVACache.reduce``
+        (schwartz-lab-NLP/TOVA@9c7d09bf:src/tova_cache.py:31-51): the mean over all query
+        heads (line 44; it implies ``all_heads=True``) and ``torch.topk``'s CUDA tie order
+        (line 45), the older token kept (:meth:`tie_order`).
 
     Notes
     -----
@@ -80,17 +93,31 @@ class TOVA(Policy):
         protects="--",
         implements="TOVA (Oren et al. 2024): last query's attention (KeyDiff App. A.1)",
         table_order=20,
-        variants=({"all_heads": True},),
+        variants=({"all_heads": True}, {"form": "authors"}),
     )
+    forms = MappingProxyType({
+        "paper": {"source": "Oren et al. 2024, Sec. 3.3 (KeyDiff App. A.1: A[-1, :]), group mean per KV head",
+                  "proven": None},
+        "authors": {"source": f"{AUTHORS_CODE}:src/tova_cache.py (TOVACache.reduce)",
+                    "proven": None},
+        "kvpress": {"source": "kvpress 0.5.5 TOVAPress (= all_heads=True, last token pinned)",
+                    "proven": "tests/interop/test_interop_kvpress.py"},
+    })
     needs = frozenset({"attention"})
     #: Scores are attention weights, >= 0 (CAOTE may wrap this policy).
     nonnegative_scores = True
 
     all_heads: bool = False
+    form: str = "paper"
 
     def __post_init__(self):
         if not isinstance(self.all_heads, (bool, np.bool_)):
             raise ValueError(f"all_heads must be True or False, got {self.all_heads!r}")
+        check_choice("form", self.form, FORMS)
+
+    def tie_order(self) -> str:
+        """``"older"`` for the authors' form (CUDA ``torch.topk``, tova_cache.py:45), else the shared rule."""
+        return "older" if self.form == "authors" else "recent"
 
     def attention_need(self) -> AttentionNeed:
         """The last query's row of the weights."""
@@ -98,7 +125,7 @@ class TOVA(Policy):
 
     def score(self, view: View) -> np.ndarray:
         last = view.attention_last_rows(1)  # (Hkv, g, 1, n); raises if the view has no weights
-        if not self.all_heads:
+        if not (self.all_heads or self.form == "authors"):
             return last_query_attention(last.mean(axis=1))
         if not np.array_equal(view.positions, np.broadcast_to(view.positions[:1], view.positions.shape)):
             raise ValueError("all_heads=True needs every KV head to hold the same tokens; "
