@@ -27,8 +27,11 @@ def _cell(value):
 
 
 def write_csv(path, rows: list[dict], columns: list[str] | None = None) -> Path:
-    """Write ``rows`` as CSV atomically (temp file + ``os.replace``)."""
-    path = Path(path)
+    """Write ``rows`` as CSV atomically (temp file + ``os.replace``); return its path.
+
+    ``path`` is a plain path or a :class:`refkv.files.Target` of the summary's guarded
+    folder (``folder / "ppl.csv"``), written through its guards.
+    """
     if columns is None:
         columns = list(dict.fromkeys(k for row in rows for k in row))
     buffer = io.StringIO()
@@ -36,8 +39,7 @@ def write_csv(path, rows: list[dict], columns: list[str] | None = None) -> Path:
     writer.writeheader()
     for row in rows:
         writer.writerow({k: _cell(row.get(k)) for k in columns})
-    atomic_write(path, buffer.getvalue())
-    return path
+    return atomic_write(path, buffer.getvalue())
 
 
 def _rounded(text: str) -> str:
