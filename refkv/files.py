@@ -574,6 +574,35 @@ class OutputFolder:
                 raise ValueError(f"{self._display(parts)}: lies in {inside}, a folder named as input; refusing "
                                  f"to remove it")
 
+    def differing(self, files: dict) -> list[str]:
+        """The names of ``files`` (relative path -> bytes or text) whose file here differs or is missing.
+
+        Reads only (a check mode's answer): nothing is created or written.
+        """
+        stale = []
+        for relative, data in files.items():
+            data = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+            path = self.path(relative)
+            try:
+                same = path.is_file() and read_regular(path, len(data), what="published file") == data
+            except ValueError:
+                same = False
+            if not same:
+                stale.append(relative)
+        return stale
+
+    def publish(self, files: dict, *, check: bool = False) -> list[str]:
+        """Write the ``files`` that differ (each atomically), or with ``check`` only name them.
+
+        Returns the relative paths that differ (were rewritten, or would be). With ``check``
+        nothing is written and no folder is created.
+        """
+        stale = self.differing(files)
+        if not check:
+            for relative in stale:
+                self.write_bytes(relative, files[relative])
+        return stale
+
     def refuse_other_settings(self, relative, mine: dict, theirs: dict | None, *, what: str = "file") -> None:
         """Refuse to replace ``relative`` when the file there was made with other settings.
 
