@@ -24,14 +24,16 @@ the committed CSV disagrees, so the figure cannot silently fall behind the exper
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import itertools
 import sys
 from pathlib import Path
 
+from refkv.experiments.tables import csv_text
 from refkv.experiments.tables import write_csv as experiments_csv
-from refkv.files import atomic_write
+from refkv.files import OutputFolder
 
 HERE = Path(__file__).resolve().parent
 EXPERIMENTS = HERE / "_static" / "experiments"
@@ -166,14 +168,24 @@ def draw(rows: list[dict], out: Path = OUT) -> None:
     for ext in ("svg", "png"):
         data = io.BytesIO()
         fig.savefig(data, format=ext, dpi=110, metadata={"Date": None} if ext == "svg" else None)
-        atomic_write(out / f"quality_vs_budget.{ext}", data.getvalue())
+        OutputFolder(out).write_bytes(f"quality_vs_budget.{ext}", data.getvalue())
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python docs/choosing_figure.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if quality_vs_budget.csv differs from what would be written "
+                             "(the figures are not compared: matplotlib's bytes vary by version)")
+    args = parser.parse_args(argv)  # unknown arguments: exit 2; --help: exit 0, nothing written
     rows = points()
-    OUT.mkdir(exist_ok=True)
-    write_csv(rows, OUT / "quality_vs_budget.csv")
+    if not rows:  # never replace the published figure with an empty one
+        parser.error(f"no point could be computed from the experiment tables under {EXPERIMENTS}")
+    folder = OutputFolder(OUT, what="output folder")
+    stale = folder.publish({"quality_vs_budget.csv": csv_text(rows, COLUMNS)}, check=args.check)
+    if args.check:
+        print(f"differs: {OUT / 'quality_vs_budget.csv'}" if stale else "quality_vs_budget.csv is up to date")
+        return 1 if stale else 0
     draw(rows)
     print(f"wrote {OUT}/quality_vs_budget.csv, .svg, .png ({len(rows)} points)")
     return 0

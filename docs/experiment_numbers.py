@@ -20,13 +20,14 @@ comments, each followed or preceded by a blank line::
 
 from __future__ import annotations
 
+import argparse
 import csv
 import math
 import re
 import sys
 from pathlib import Path
 
-from refkv.files import atomic_write
+from refkv.files import OutputFolder
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -288,7 +289,10 @@ def update(text: str, blocks: dict[str, str]) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    check = "--check" in argv
+    parser = argparse.ArgumentParser(prog="python docs/experiment_numbers.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 naming each block that differs from the tables")
+    check = parser.parse_args(argv).check  # unknown arguments: exit 2; --help: exit 0, nothing written
     blocks = render()
     stale, missing = [], []
     for page in sorted(set(PAGES.values())):
@@ -298,7 +302,7 @@ def main(argv: list[str]) -> int:
         missing += [name for name, where in PAGES.items() if where == page and name not in found]
         stale += [f"{page.relative_to(ROOT)}: {name}" for name in changed]
         if changed and not check:
-            atomic_write(page, new)
+            OutputFolder(ROOT).write_text(page.relative_to(ROOT).as_posix(), new)
     if missing:
         print(f"blocks missing from their pages: {', '.join(missing)}")
         return 1

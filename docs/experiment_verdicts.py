@@ -37,12 +37,15 @@ committed file disagrees, so the page cannot fall behind the experiments.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from refkv.experiments.tables import csv_text
 from refkv.experiments.tables import write_csv as experiments_csv
+from refkv.files import OutputFolder
 
 HERE = Path(__file__).resolve().parent
 EXPERIMENTS = HERE / "_static" / "experiments"
@@ -253,9 +256,20 @@ def write_csv(table: list[dict], path: Path = OUT) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python docs/experiment_verdicts.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help=f"write nothing; exit 1 if {OUT.name} differs from what would be written")
+    args = parser.parse_args(argv)  # unknown arguments: exit 2; --help: exit 0, nothing written
     table = rows()
-    write_csv(table)
-    print(f"wrote {OUT} ({len(table)} verdicts)")
+    if not table:  # never replace the published verdicts with an empty table
+        parser.error(f"no verdict could be computed from the tables under {EXPERIMENTS} (run `refkv experiment all "
+                     f"--publish {EXPERIMENTS}` first)")
+    folder = OutputFolder(OUT.parent, what="output folder")
+    stale = folder.publish({OUT.name: csv_text(table, COLUMNS)}, check=args.check)
+    if args.check:
+        print(f"differs: {OUT} (run `python docs/experiment_verdicts.py`)" if stale else f"{OUT} is up to date")
+        return 1 if stale else 0
+    print(f"wrote {OUT} ({len(table)} verdicts)" if stale else f"{OUT} unchanged ({len(table)} verdicts)")
     return 0
 
 

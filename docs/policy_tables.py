@@ -17,11 +17,12 @@ prints them). ``tests/docs/test_docs.py`` fails while the files and the registry
 
 from __future__ import annotations
 
+import argparse
 import sys
 import textwrap
 from pathlib import Path
 
-from refkv.files import atomic_write
+from refkv.files import OutputFolder
 from refkv.policies import Policy, available, policy_class, policy_forms
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,12 +137,15 @@ def update_files(root: Path = ROOT, *, write: bool = True) -> list[Path]:
         if new != old:
             changed.append(path)
             if write:
-                atomic_write(path, new)
+                OutputFolder(root).write_text(path.relative_to(root).as_posix(), new)
     return changed
 
 
 def main(argv: list[str]) -> int:
-    check = "--check" in argv
+    parser = argparse.ArgumentParser(prog="python docs/policy_tables.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if a table differs from the registry")
+    check = parser.parse_args(argv).check  # unknown arguments: exit 2; --help: exit 0, nothing written
     changed = update_files(write=not check)
     for path in changed:
         print(f"{'stale' if check else 'rewrote'}: the policy table of {path.relative_to(ROOT)}")

@@ -31,7 +31,9 @@ committed CSVs (before the run is published they say so).
 
 from __future__ import annotations
 
+import argparse
 import csv
+import io
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -49,8 +51,8 @@ from refkv.experiments.registered import (
     unit_rows,
     verdict_rows,
 )
-from refkv.experiments.tables import write_csv
-from refkv.files import atomic_write
+from refkv.experiments.tables import csv_text
+from refkv.files import OutputFolder
 
 HERE = Path(__file__).resolve().parent
 REGISTRATION = HERE / "experiment_registration.json"
@@ -140,6 +142,14 @@ def _read(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def _rows(source: Path | dict, name: str) -> list[dict]:
+    """The rows of CSV ``name``: from folder ``source``, or from ``source[name]`` (the CSV texts
+    about to be written, so a ``--check`` computes the blocks without writing the CSVs)."""
+    if isinstance(source, dict):
+        return list(csv.DictReader(io.StringIO(source[name]))) if name in source else []
+    return _read(Path(source) / name)
+
+
 def _number(text: str) -> str:
     """A signed number to 3 significant digits (``+0.25``, ``-0.0123``, ``+4.69``)."""
     if text in ("", None):
@@ -162,11 +172,11 @@ def _hypothesis(claim: dict, row: dict) -> str:
     return f"{a} - {NAMES.get(row['b'], row['b'])} {claim['direction'].replace('A - B ', '')}"
 
 
-def verdict_block(folder: Path, design: dict) -> str:
+def verdict_block(folder: Path | dict, design: dict) -> str:
     """The results page's verdicts, from ``verdicts.csv`` alone: one sentence per claim in
     plain words, then the table (claim, registered hypothesis, n, estimate, 95% interval,
     Holm-adjusted p, scaled paper effect, where the interval lies against it, verdict)."""
-    rows = _read(folder / "verdicts.csv")
+    rows = _rows(folder, "verdicts.csv")
     if not rows:
         return ("The registered run's verdicts are not published yet: "
                 "``python docs/registered_verdicts.py RESULTS`` writes them here from the run's records.\n")
@@ -207,11 +217,11 @@ def verdict_block(folder: Path, design: dict) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(table) + "\n\n" + downloads + "\n"
 
 
-def run_block(folder: Path) -> str:
+def run_block(folder: Path | dict) -> str:
     """The results page's account of the run, from ``calibration.csv``, ``choices.csv`` and
     ``run.csv``: the calibration per length, the calibrated length, MAT's chosen spec, and
     the cells, core-minutes and wall minutes of each experiment."""
-    calibration, choices, cost = (_read(folder / name) for name in ("calibration.csv", "choices.csv", "run.csv"))
+    calibration, choices, cost = (_rows(folder, name) for name in ("calibration.csv", "choices.csv", "run.csv"))
     if not calibration:
         return "The registered run is not published yet.\n"
     tally = ", ".join(f"{int(r['correct'])}/{int(r['prompts'])} at {int(r['length']):,} tokens" for r in calibration)
@@ -236,20 +246,19 @@ SHORT_MEASURES = {"G1": "Spearman rho, key distinctness vs attention",
 VERDICT_COLORS = {"holds": "tab:green", "reversed": "tab:red", "not resolved": "0.45"}
 
 
-def draw_verdicts(folder: Path = OUT) -> Path | None:
+def verdicts_svg(folder: Path | dict = OUT) -> bytes | None:
     """``verdicts.svg``: every registered comparison of ``verdicts.csv`` as its estimate with
     its 95% interval, one panel per claim (each claim has its own unit), a line at zero and
     the budget-matched paper effect as a cross where the registration gives one; colour is
     the verdict. Written from the CSV alone, like the page's blocks. None when there is no
     verdict table yet."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = _read(folder / "verdicts.csv")
+    plt.rcParams["svg.hashsalt"] = "refkv"  # reproducible element ids
+    rows = _rows(folder, "verdicts.csv")
     if not rows:
         return None
     claims = list(dict.fromkeys(r["claim"] for r in rows))
@@ -283,36 +292,93 @@ def draw_verdicts(folder: Path = OUT) -> Path | None:
     data = io.BytesIO()
     fig.savefig(data, format="svg", metadata={"Date": None})
     plt.close(fig)
-    return atomic_write(folder / "verdicts.svg", data.getvalue())
+    return data.getvalue()
+
+
+def draw_verdicts(folder: Path = OUT) -> Path | None:
+    """Write ``verdicts.svg`` (:func:`verdicts_svg`) into ``folder``; its path, or None without verdicts."""
+    svg = verdicts_svg(folder)
+    return None if svg is None else OutputFolder(folder).write_bytes("verdicts.svg", svg)
+
+
+def page_files(source: Path | dict, design: dict) -> dict[str, bytes | str]:
+    """The page's blocks and figure, computed from the CSVs of ``source`` alone."""
+    files = {"verdicts.inc": verdict_block(source, design), "run.inc": run_block(source)}
+    svg = verdicts_svg(source)
+    if svg is not None:
+        files["verdicts.svg"] = svg
+    return files
 
 
 def write_page_blocks(folder: Path = OUT) -> None:
-    """``verdicts.inc`` and ``run.inc`` from the CSVs in ``folder``."""
-    design = registration()
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic_write(folder / "verdicts.inc", verdict_block(folder, design))
-    atomic_write(folder / "run.inc", run_block(folder))
-    draw_verdicts(folder)
+    """``verdicts.inc``, ``run.inc`` and ``verdicts.svg`` from the CSVs in ``folder``."""
+    OutputFolder(folder).publish(page_files(folder, registration()))
+
+
+#: Files a ``--check`` does not compare byte for byte: matplotlib's output differs between its versions.
+FIGURES = ("verdicts.svg",)
+
+
+def table_files(results: Path) -> tuple[dict[str, str], dict]:
+    """Every CSV this script writes (name -> text), computed from the records under ``results``."""
+    out = tables(results)
+    chosen = [row["length"] for row in out["calibration"] if row["chosen"]]
+    return {
+        "verdicts.csv": csv_text(out["verdicts"], COLUMNS),
+        "calibration.csv": csv_text(out["calibration"], ["length", "correct", "prompts", "chosen"]),
+        "units.csv": csv_text(out["units"], UNIT_COLUMNS),
+        "run.csv": csv_text(run_cost(results), ["experiment", "cells", "core_minutes", "wall_minutes"]),
+        "choices.csv": csv_text([{"calibrated_length": chosen[0] if chosen else None,
+                                  "mat_spec": out["mat"][0]["chosen_mat"]}], ["calibrated_length", "mat_spec"]),
+    }, {"length": chosen[0] if chosen else None, "mat": out["mat"][0]["chosen_mat"], "n": len(out["verdicts"])}
+
+
+def _results_folder(text: str) -> Path:
+    """``RESULTS``: an existing folder holding at least one of the registered run's records files."""
+    results = Path(text)
+    if not results.is_dir():
+        raise ValueError(f"RESULTS {results}: no such folder (the folder `refkv experiment ... --registered` "
+                         f"wrote its records to)")
+    if not any((results / f"{name}.jsonl").is_file() for name in EXPERIMENTS):
+        raise ValueError(f"RESULTS {results}: holds none of {', '.join(f'{n}.jsonl' for n in EXPERIMENTS)}; "
+                         f"nothing to compute the verdicts from")
+    return results
 
 
 def main(argv: list[str]) -> int:
-    if argv == ["--page"]:
-        write_page_blocks(OUT)
-        print(f"page blocks rewritten from the CSVs in {OUT}")
-        return 0
-    results = Path(argv[0] if argv else "results")
-    out = tables(results)
-    OUT.mkdir(parents=True, exist_ok=True)
-    write_csv(OUT / "verdicts.csv", out["verdicts"], COLUMNS)
-    write_csv(OUT / "calibration.csv", out["calibration"], ["length", "correct", "prompts", "chosen"])
-    write_csv(OUT / "units.csv", out["units"], UNIT_COLUMNS)
-    write_csv(OUT / "run.csv", run_cost(results), ["experiment", "cells", "core_minutes", "wall_minutes"])
-    chosen = [row["length"] for row in out["calibration"] if row["chosen"]]
-    write_csv(OUT / "choices.csv", [{"calibrated_length": chosen[0] if chosen else None,
-                                     "mat_spec": out["mat"][0]["chosen_mat"]}], ["calibrated_length", "mat_spec"])
-    write_page_blocks(OUT)
-    print(f"calibrated passkey length: {chosen[0] if chosen else 'none reached the ceiling'}; "
-          f"MAT's chosen spec: {out['mat'][0]['chosen_mat']}; {len(out['verdicts'])} verdicts -> {OUT}")
+    parser = argparse.ArgumentParser(prog="python docs/registered_verdicts.py", description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="?", default="results", metavar="RESULTS",
+                        help="the folder of the registered run's records (default ./results)")
+    parser.add_argument("--page", action="store_true",
+                        help="rewrite only the page blocks and the figure, from the published CSVs")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 naming each published file that differs from what would be "
+                             "written (the figure is not compared: matplotlib's bytes vary by version)")
+    parser.add_argument("--out", default=str(OUT), metavar="DIR", help=f"where the files go (default {OUT})")
+    args = parser.parse_args(argv)  # unknown arguments: exit 2; --help: exit 0, nothing written
+    folder = OutputFolder(args.out, what="--out")
+    design = registration()
+    try:
+        if args.page:
+            files, summary = page_files(Path(args.out), design), None
+        else:  # every input validated and every file computed before one is written
+            csvs, summary = table_files(_results_folder(args.results))
+            files = {**csvs, **page_files(csvs, design)}
+    except ValueError as err:
+        parser.error(str(err))
+    if args.check:
+        stale = [name for name in folder.differing(files) if name not in FIGURES]
+        for name in stale:
+            print(f"differs: {folder.path(name)}")
+        print(f"{len(stale)} of {len([n for n in files if n not in FIGURES])} published files differ"
+              + (" (run the script without --check to rewrite them)" if stale else ""))
+        return 1 if stale else 0
+    rewritten = folder.publish(files)
+    if summary is None:
+        print(f"page blocks rewritten from the CSVs in {args.out} ({len(rewritten)} files changed)")
+    else:
+        print(f"calibrated passkey length: {summary['length'] or 'none reached the ceiling'}; MAT's chosen spec: "
+              f"{summary['mat']}; {summary['n']} verdicts -> {args.out} ({len(rewritten)} files changed)")
     return 0
 
 

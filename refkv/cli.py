@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -548,7 +549,7 @@ def _show_prompt(args, tokenizer, prompt: str | None):
 
 def _cmd_show(args) -> int:
     from .explorer import explore, render_ansi, render_html
-    from .files import atomic_write
+    from .files import OutputFolder
 
     check_lengths({"--budget": (args.budget, 1), "--block": (args.block, 0),
                    "--max-new-tokens": (args.max_new_tokens, 0), "--passkey": (args.passkey, 64)})
@@ -569,6 +570,12 @@ def _cmd_show(args) -> int:
         check_prompt(prompt)
         if not prompt.strip():
             raise ValueError("the prompt must not be empty")
+    page = None
+    if args.format != "ansi":  # the page's folder is checked now: never over an input, never through a link
+        out = Path(args.out)
+        page = OutputFolder(out.parent, what="folder of --out",
+                            inputs=[args.prompt_file, args.model if args.model and Path(args.model).exists() else None])
+        page.check_replaceable(out.name)
     specs = parse_spec_list(args.policy)
     block = args.block or None
     if args.model is None:
@@ -623,7 +630,7 @@ def _cmd_show(args) -> int:
     if args.format == "ansi":
         sys.stdout.write(render_ansi(result))
     else:
-        path = atomic_write(args.out, render_html(result))
+        path = page.write_text(Path(args.out).name, render_html(result))
         print(f"wrote {path} ({len(ids)} tokens, {len(specs)} policies); open it in a browser: "
               f"{path.resolve().as_uri()}")
     runs = len(specs) + (1 if args.max_new_tokens else 0)

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from .files import atomic_write
+from .files import OutputFolder
 
 __all__ = ["FIGURES_VARIABLE", "PLOT_INSTALL", "default_folder", "pyplot", "save_figures"]
 
@@ -87,7 +87,8 @@ def save_figures(script=None, folder=None, *, dpi: int = 100, stream=None) -> li
     -----
     Each file is written to a temporary name in the same folder and renamed into place,
     so an interrupted run never leaves a half-written image. Nothing outside ``folder`` is
-    touched.
+    touched: the files are written through :class:`refkv.files.OutputFolder` (no symlink
+    followed, the script itself never replaced).
     """
     if "sphinx_gallery" in sys.modules:
         return []
@@ -98,14 +99,13 @@ def save_figures(script=None, folder=None, *, dpi: int = 100, stream=None) -> li
     numbers = plt.get_fignums()
     if not numbers:
         return []
-    target.mkdir(parents=True, exist_ok=True)
+    folder = OutputFolder(target, inputs=[script], what="figures folder")
     stream = sys.stdout if stream is None else stream
     written = []
     for index, number in enumerate(numbers, start=1):
-        path = target / f"{script.stem}-{index}.png"
         buffer = io.BytesIO()
         plt.figure(number).savefig(buffer, format="png", dpi=dpi)
-        atomic_write(path, buffer.getvalue())
+        path = folder.write_bytes(f"{script.stem}-{index}.png", buffer.getvalue())
         written.append(path)
         print(f"saved figure {index} of {len(numbers)}: {path}", file=stream)
     return written

@@ -90,7 +90,7 @@ def test_attack_13_03_plots_written_atomically(tmp_path, monkeypatch):
     from refkv.experiments import tables
 
     table = tables.write_csv(folder / "t.csv", [{"a": 1}])
-    monkeypatch.setattr(files.os, "replace", lambda *args: (_ for _ in ()).throw(Killed()))
+    monkeypatch.setattr(files.os, "replace", lambda *args, **kwargs: (_ for _ in ()).throw(Killed()))
     with pytest.raises(Killed):
         tables.write_csv(table, [{"a": 2}] * 1000)
     assert table.read_text() == "a\n1\n"

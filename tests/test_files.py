@@ -111,7 +111,7 @@ def test_atomic_write_leaves_the_target_as_it_was_on_failure(tmp_path, monkeypat
     target = tmp_path / "out.txt"
     target.write_text("before")
 
-    def broken_replace(src, dst):
+    def broken_replace(*args, **kwargs):
         raise OSError("disk gone")
 
     monkeypatch.setattr(os, "replace", broken_replace)

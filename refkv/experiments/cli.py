@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..files import atomic_write
+from ..files import OutputFolder, read_regular
 from ..threads import ThreadChoice, blas_threads, check_threads, choose_threads
 from ..validation import check_int
 from .cluster import check_scheduler, dask_executor
@@ -16,6 +16,9 @@ from .registry import EXPERIMENTS, experiment_options, get_experiment, suite
 from .runner import plan, run
 from .settings import Settings, check_policy_specs
 from .tables import format_table
+
+#: Largest table or plot ``--publish`` copies (a summary file is kilobytes to a few MB).
+MAX_PUBLISHED_BYTES = 256 << 20
 
 __all__ = ["add_experiment_command", "summary_table"]
 
@@ -90,6 +93,12 @@ def _cmd_experiment(args) -> int:
         seed=args.seed, full=args.full, registered=args.registered,
         options={o.name: getattr(args, o.name) for o in experiment_options() if getattr(args, o.name) is not None})
     experiments = suite() if args.name == "all" else [get_experiment(args.name)]
+    publish = None
+    if args.publish:  # its folders are checked before any cell runs (no symlink below it, not --out itself)
+        publish = OutputFolder(args.publish, what="--publish folder",
+                               inputs=[Path(args.out) / e.name for e in experiments])
+        for experiment in experiments:
+            publish.path(experiment.name)
     if args.dry_run:
         tasks, done = plan(experiments, settings, args.out)
         for task in tasks:
@@ -117,8 +126,8 @@ def _cmd_experiment(args) -> int:
                   f"same command to resume", file=sys.stderr, flush=True)
             return 130  # 128 + SIGINT, as shells report it
     elapsed = time.perf_counter() - start
-    if args.publish:
-        _publish(args.out, args.publish, list(records))
+    if publish is not None:
+        _publish(args.out, publish, list(records))
     for name, recs in records.items():
         cell_time = sum(r["wall_time_s"] for r in recs)
         print(f"{name}: {len(recs)} cells, {cell_time:.0f} s of cell time -> {args.out}/{name}.jsonl, "
@@ -156,12 +165,15 @@ def summary_table(name: str, out) -> str | None:
     return None if table is None else format_table(Path(out) / name / table[0], table[1])
 
 
-def _publish(out, target, names) -> None:
-    """Copy the CSV tables and PNG/SVG plots of ``names`` from ``out`` to ``target`` (atomically per file)."""
+def _publish(out, target: OutputFolder, names) -> None:
+    """Copy the CSV tables and PNG/SVG plots of ``names`` from ``out`` to ``target/NAME/`` (atomically per file).
+
+    Written through the guarded ``--publish`` folder: a symlinked ``PUB/NAME`` is refused,
+    never written through.
+    """
     for name in names:
-        source, dest = Path(out) / name, Path(target) / name
-        dest.mkdir(parents=True, exist_ok=True)
+        source = Path(out) / name
         for path in sorted(source.glob("*")):
             if path.suffix not in (".csv", ".png", ".svg"):
                 continue
-            atomic_write(dest / path.name, path.read_bytes())
+            target.write_bytes(f"{name}/{path.name}", read_regular(path, MAX_PUBLISHED_BYTES, what="summary file"))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..files import atomic_write
+from ..files import OutputFolder
 from ..policies.spec import parse_spec
 from .grids import format_spec_label
 
@@ -43,19 +43,23 @@ def _pyplot():
 
 
 def _save(fig, folder: Path, stem: str) -> list[Path]:
-    """Write ``fig`` as ``stem.png`` and ``stem.svg`` in ``folder``, each atomically."""
+    """Write ``fig`` as ``stem.png`` and ``stem.svg`` in ``folder``, each atomically.
+
+    ``folder`` is the summary's :class:`refkv.files.OutputFolder` (or a plain path, then
+    guarded as the root).
+    """
     plt = _pyplot()
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = [folder / f"{stem}.png", folder / f"{stem}.svg"]
+    if not isinstance(folder, OutputFolder):  # a plain path: the folder named is the guarded root
+        folder = OutputFolder(folder)
+    paths = []
     try:
-        for path, options in ((paths[0], {"dpi": 90, "metadata": {"Software": None}}),
-                              (paths[1], {"metadata": {"Date": None, "Creator": None}})):
+        for ext, options in (("png", {"dpi": 90, "metadata": {"Software": None}}),
+                             ("svg", {"metadata": {"Date": None, "Creator": None}})):
             # Render in memory, then publish: a run killed while matplotlib writes leaves
             # the previous file (or none), never half a figure.
             buffer = io.BytesIO()
-            fig.savefig(buffer, format=path.suffix[1:], bbox_inches="tight", **options)
-            atomic_write(path, buffer.getvalue())
+            fig.savefig(buffer, format=ext, bbox_inches="tight", **options)
+            paths.append(folder.write_bytes(f"{stem}.{ext}", buffer.getvalue()))
     finally:
         plt.close(fig)
     return paths

@@ -5,8 +5,10 @@
   processes use ``jobs`` cores). Every cell is a pure function of its parameters (all
   randomness is seeded from them), so parallel and serial runs give the same results; only
   the order of the records and the wall times differ.
-* **No orphans.** Workers watch their parent (they wait on the pipe it holds open) and
-  exit as soon as it dies, so a ``kill -9`` of the run leaves nobody computing for nobody.
+* **No orphans.** Workers die with their parent: the kernel kills them when it dies
+  (Linux ``PR_SET_PDEATHSIG``), and a watch thread in each waits on the pipe only the
+  parent holds open and checks the parent's pid, so a ``kill`` or ``kill -9`` of the run
+  leaves nobody computing for nobody.
 * **One writer.** Whatever runs the cells (local processes or a Dask cluster,
   :mod:`refkv.experiments.cluster`), the results come back to this process, which hands
   each to a ``finish`` callback (the runner appends the record and advances the bar).
@@ -15,9 +17,12 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import multiprocessing
 import os
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -49,21 +54,57 @@ def run_cell(module: str, experiment_name: str, params: dict) -> tuple[dict, flo
     return result, time.perf_counter() - start, time.process_time() - cpu
 
 
-def _exit_with_parent() -> None:
-    """Worker initializer: end this process as soon as its parent dies.
+#: Seconds between a worker's checks that its parent still runs (the fallback of the watch).
+WATCH_INTERVAL = 0.5
+#: ``prctl`` option: the signal the kernel sends this process when its parent dies (Linux).
+PR_SET_PDEATHSIG = 1
 
-    A spawned worker holds the read end of a pipe whose write end only the parent holds
-    (:func:`multiprocessing.parent_process`'s sentinel); it becomes readable when the
-    parent is gone, however it died. A daemon thread waits on it and exits at once, also
-    in the middle of a cell (whose result nobody could record any more).
+
+def _death_signal() -> bool:
+    """Ask the kernel (Linux) to SIGKILL this process the moment its parent dies; whether it took.
+
+    ``prctl(PR_SET_PDEATHSIG)`` is delivered when the thread that started this process
+    ends; :func:`run_parallel` starts its workers from the thread that waits for them, so
+    that is the run itself. Elsewhere (macOS, a libc without ``prctl``) it returns False
+    and the watch thread alone ends the worker.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _exit_with_parent() -> None:
+    """Worker initializer: end this process as soon as its parent dies, however it died.
+
+    Three guards, each enough on its own where it applies: the kernel's parent-death
+    signal (:func:`_death_signal`, Linux: SIGKILL when the parent dies, even in the middle
+    of a C call that holds the GIL); a daemon thread waiting on the read end of a pipe
+    whose write end only the parent holds (:func:`multiprocessing.parent_process`'s
+    sentinel: readable when the parent is gone); and, every :data:`WATCH_INTERVAL`
+    seconds, the parent's pid (a worker whose parent died is re-parented, so ``getppid``
+    changes) in case another process inherited the pipe. A parent that died before this
+    initializer ran is caught at once by the pid check.
     """
     parent = multiprocessing.parent_process()
-    if parent is None or parent.sentinel is None:
-        return
+    parent_pid = parent.pid if parent is not None and parent.pid else os.getppid()
+    _death_signal()
+    if os.getppid() != parent_pid:  # the parent died while this worker started
+        os._exit(1)
+    sentinel = None if parent is None else parent.sentinel
 
     def watch() -> None:
-        wait_ready([parent.sentinel])
-        os._exit(1)
+        while True:
+            if sentinel is not None:
+                if wait_ready([sentinel], timeout=WATCH_INTERVAL):
+                    os._exit(1)
+            else:
+                time.sleep(WATCH_INTERVAL)
+            if os.getppid() != parent_pid:
+                os._exit(1)
 
     threading.Thread(target=watch, name="refkv-exit-with-parent", daemon=True).start()
 

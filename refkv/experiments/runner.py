@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..files import check_write_target
+from ..files import OutputFolder, check_write_target
 from ..validation import check_int
 from .design import Experiment
 from .pool import drain, run_cell, run_parallel
@@ -123,7 +123,8 @@ def run(experiments: Iterable[Experiment] | Experiment, settings: Settings | Non
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out must be a folder, but {out} exists and is not one")
-    out.mkdir(parents=True, exist_ok=True)
+    root = OutputFolder(out, what="--out")
+    root.mkdir()
     with contextlib.ExitStack() as stack:
         for experiment in experiments:
             path = check_write_target(out / f"{experiment.name}.jsonl", out, what="results file")
@@ -131,6 +132,8 @@ def run(experiments: Iterable[Experiment] | Experiment, settings: Settings | Non
                 raise ValueError(f"{out / experiment.name}: the summary folder is a symlink (to "
                                  f"{os.readlink(out / experiment.name)}); refusing to write through it -- remove it "
                                  f"or use another --out")
+            if summarise:
+                root.path(experiment.name)  # no symlinked component on the way either
             stack.enter_context(locked(path))
             cut_partial_tail(path)
         tasks, done = plan(experiments, settings, out)
@@ -154,9 +157,10 @@ def run(experiments: Iterable[Experiment] | Experiment, settings: Settings | Non
     for experiment in experiments:
         records[experiment.name] = grid_records(experiment, settings, out)
         if summarise:
-            folder = out / experiment.name
-            folder.mkdir(exist_ok=True)
-            experiment.summarise(records[experiment.name], folder, settings)
+            # Tables and plots are written through the guarded folder: ``folder / "x.csv"``
+            # is a Target that the writers (tables.write_csv, plots) write through its guards.
+            root.mkdir(experiment.name)
+            experiment.summarise(records[experiment.name], root.sub(experiment.name), settings)
     return records
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..files import atomic_write
 
-__all__ = ["format_table", "write_csv"]
+__all__ = ["csv_text", "format_table", "write_csv"]
 
 
 def _cell(value):
@@ -26,9 +26,8 @@ def _cell(value):
     return value
 
 
-def write_csv(path, rows: list[dict], columns: list[str] | None = None) -> Path:
-    """Write ``rows`` as CSV atomically (temp file + ``os.replace``)."""
-    path = Path(path)
+def csv_text(rows: list[dict], columns: list[str] | None = None) -> str:
+    """``rows`` as the CSV text :func:`write_csv` writes (columns: given, or in order of appearance)."""
     if columns is None:
         columns = list(dict.fromkeys(k for row in rows for k in row))
     buffer = io.StringIO()
@@ -36,8 +35,16 @@ def write_csv(path, rows: list[dict], columns: list[str] | None = None) -> Path:
     writer.writeheader()
     for row in rows:
         writer.writerow({k: _cell(row.get(k)) for k in columns})
-    atomic_write(path, buffer.getvalue())
-    return path
+    return buffer.getvalue()
+
+
+def write_csv(path, rows: list[dict], columns: list[str] | None = None) -> Path:
+    """Write ``rows`` as CSV atomically (temp file + ``os.replace``); return its path.
+
+    ``path`` is a plain path or a :class:`refkv.files.Target` of the summary's guarded
+    folder (``folder / "ppl.csv"``), written through its guards.
+    """
+    return atomic_write(path, csv_text(rows, columns))
 
 
 def _rounded(text: str) -> str:

@@ -202,17 +202,19 @@ def _cmd_weights(args) -> int:
               f"{args.out} and its manifest to {m['arrays']['file'].rsplit('.', 1)[0]}.json")
         return 0
     from .generate import load_golden_model
-    from .hfexport import write_checkpoint
+    from .hfexport import checkpoint_folder, write_checkpoint
 
     dtype = args.dtype or ("float64" if args.model in MODELS else "float32")
+    settings = {"model": args.model, "seed": args.seed, "dtype": dtype}
+    folder = checkpoint_folder(args.out, settings,  # refused before any model is built
+                               inputs=[] if args.model in MODELS or not Path(args.model).exists() else [args.model])
     if args.model in MODELS:
         from .models import build_model
 
         model = build_model(args.model, args.seed, dtype)
     else:
         model = load_golden_model(args.model, dtype)
-    config = write_checkpoint(args.out, model, extra={"refkv": {"model": args.model, "seed": args.seed,
-                                                                "dtype": dtype}})
+    config = write_checkpoint(folder, model, extra={"refkv": settings})
     print(f"wrote {config['architectures'][0]} checkpoint of model {args.model} ({dtype}) to {Path(args.out)}: "
           f"config.json + model.safetensors (transformers: AutoModelForCausalLM.from_pretrained)")
     return 0

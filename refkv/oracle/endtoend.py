@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..files import atomic_write
+from ..files import Target, atomic_write
 from ..policies import Policy, get
 from ..schedule import Schedule
 from ..validation import MAX_CONTEXT, check_choice, check_float, check_lengths, check_size
@@ -88,9 +88,14 @@ def end_to_end_files(stem: str, manifest: dict, arrays: dict) -> tuple[dict, byt
 
 
 def write_end_to_end(json_path, manifest: dict, arrays: dict) -> dict:
-    """Write the ``.npz`` (next to ``json_path``, same stem) and then the manifest; return it."""
-    json_path = Path(json_path)
-    manifest, text, data = end_to_end_files(json_path.stem, manifest, arrays)
+    """Write the ``.npz`` (next to ``json_path``, same stem) and then the manifest; return it.
+
+    ``json_path`` is a :class:`refkv.files.Target` of the folder the user named
+    (``folder / "e2e/keydiff/x.json"``: written through its guards) or a plain path.
+    """
+    if not isinstance(json_path, Target):
+        json_path = Path(json_path)
+    manifest, text, data = end_to_end_files(Path(json_path.name).stem, manifest, arrays)
     atomic_write(json_path.with_suffix(".npz"), data)
     atomic_write(json_path, text)
     return manifest

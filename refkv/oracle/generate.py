@@ -17,18 +17,20 @@ touched.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import numpy as np
 
 from .. import policies as policy_registry
+from ..files import OutputFolder
 from ..model import load
 from ..model.loading import peek_context
 from ..validation import check_lengths
 from .endtoend import end_to_end_files, write_end_to_end
 from .goldens import policy_end_to_end, policy_schedules, policy_vectors
-from .io import dumps, sha256
+from .io import dumps, read_json, sha256
 from .kinds import BY_NAME, KINDS, LISTED
 from .models import MODELS, build_model, context_of
 from .recipes import DECODE_SEED, E2E_MODELS, MODEL_SEED, PROMPT_SEED, library_policies
@@ -187,6 +189,14 @@ def generate_schedules(out, policies: list[str] | None, schedule, *, model: str 
     rule = f"N{sched.budget}" if sched.rule == "interval" else f"ratio{sched.ratio:g}"
     label = (f"{tag}-sched-{prefill}{'' if sched.prefill_budget is None else sched.prefill_budget}"
              f"-K{sched.interval}-{rule}-{dtype}")
+    folder = OutputFolder(out, what="--out", inputs=[] if model in MODELS else [model])
+    mine = {"model": model, "model_seed": MODEL_SEED, "dtype": dtype, "prompt_length": prompt_length,
+            "prompt_seed": PROMPT_SEED, "new_tokens": sched.new_tokens, "decode_seed": DECODE_SEED,
+            "schedule": json.loads(json.dumps(sched.to_dict()))}
+    for name in names:  # every target checked before any model runs or any file is written
+        rel = f"e2e/{name}/{label}.json"
+        folder.check_replaceable(rel[:-len(".json")] + ".npz")  # no symlink below --out, the npz included
+        folder.refuse_other_settings(rel, mine, _schedule_settings(folder.path(rel)), what="schedule golden")
     written, skipped = [], []
     for name in names:
         try:
@@ -199,14 +209,32 @@ def generate_schedules(out, policies: list[str] | None, schedule, *, model: str 
             if progress is not None:
                 progress(f"{name}: skipped: {err}")
             continue
-        path = out / "e2e" / name / f"{label}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_end_to_end(path, manifest, arrays)
+        path = folder.path(f"e2e/{name}/{label}.json")
+        write_end_to_end(folder / f"e2e/{name}/{label}.json", manifest, arrays)
         written.append(str(path))
         if progress is not None:
             progress(f"{name}: {path} ({manifest['n_rounds']} rounds)")
     return {"written": written, "skipped": skipped}
 
+
+
+def _schedule_settings(path: Path) -> dict | None:
+    """The settings the schedule golden at ``path`` was made with (None: no file there).
+
+    What distinguishes two schedule goldens of one policy (model, seeds, precision, prompt
+    length, number of new tokens, schedule), read from its manifest so that a second
+    generation with other settings is refused instead of silently replacing it.
+    """
+    if not path.exists():
+        return None
+    try:
+        m = read_json(path)
+        return {"model": m["model"]["builder"], "model_seed": m["model"]["seed"], "dtype": m["dtype"],
+                "prompt_length": m["prompt"]["length"], "prompt_seed": m["prompt"]["seed"],
+                "new_tokens": m["decode"]["length"], "decode_seed": m["decode"]["seed"], "schedule": m["schedule"]}
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: a file is there that is not a readable schedule golden ({err}); refusing to "
+                         f"replace it -- use another folder or remove it") from None
 
 
 def _policy_names(policies) -> list[str]:

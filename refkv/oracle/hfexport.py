@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import json
 import struct
-from pathlib import Path
 
 import numpy as np
 
-from ..files import atomic_write
+from ..files import OutputFolder, load_json
 from ..model import Model
 from ..model.config import ModelConfig
 
-__all__ = ["HF_NAMES", "hf_config_dict", "hf_tensors", "safetensors_bytes", "write_checkpoint"]
+__all__ = ["CHECKPOINT_FILES", "HF_NAMES", "checkpoint_folder", "hf_config_dict", "hf_tensors", "safetensors_bytes",
+           "write_checkpoint"]
 
 #: refkv's per-layer array names -> transformers' (after ``model.layers.<i>.``).
 HF_NAMES = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
@@ -104,18 +104,60 @@ def safetensors_bytes(tensors: dict[str, np.ndarray]) -> bytes:
     return struct.pack("<Q", len(text)) + text + b"".join(blobs)
 
 
+#: The files of a checkpoint :func:`write_checkpoint` writes: a folder holding anything else is not its own.
+CHECKPOINT_FILES = ("config.json", "model.safetensors")
+#: Largest ``config.json`` read back to compare a folder's settings.
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def checkpoint_folder(out, settings: dict, *, inputs=()) -> OutputFolder:
+    """The guarded folder a checkpoint made with ``settings`` may be written into.
+
+    It must be empty (or not exist yet), or hold exactly a checkpoint refkv wrote
+    (:data:`CHECKPOINT_FILES`, whose ``config.json`` records its ``refkv`` settings) made
+    with the same ``settings``. Anything else is refused with one line, before a model is
+    built: writing new weights over another checkpoint would replace it and leave its
+    other files (``generation_config.json``, tokenizer, shards and their index) beside
+    weights they do not describe -- a folder that no longer loads, or loads wrongly.
+    ``inputs`` (a checkpoint named as ``--model``) are never written.
+    """
+    folder = OutputFolder(out, what="--out", inputs=inputs)
+    root = folder.root
+    for name in CHECKPOINT_FILES:
+        folder.check_replaceable(name)
+    if not root.exists():
+        return folder
+    names = sorted(p.name for p in root.iterdir())
+    foreign = [n for n in names if n not in CHECKPOINT_FILES]
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise ValueError(f"--out {root} holds files golden weights does not write ({shown}); it writes into an "
+                         f"empty folder or one holding a checkpoint it wrote itself -- use another folder")
+    if names:
+        config = root / "config.json"
+        try:
+            theirs = load_json(config, MAX_CONFIG_BYTES, what="config.json", allow_constants=True)["refkv"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"--out {root} holds a checkpoint refkv did not write (its config.json has no refkv "
+                             f"settings); refusing to replace it -- use another folder") from None
+        if not isinstance(theirs, dict):
+            raise ValueError(f"{config}: refkv must be an object of settings, got {type(theirs).__name__}")
+        folder.refuse_other_settings("config.json", settings, theirs, what="checkpoint")
+    return folder
+
+
 def write_checkpoint(folder, model: Model, *, extra: dict | None = None) -> dict:
     """Write ``model`` as ``folder/config.json`` + ``folder/model.safetensors``; return the config.
 
-    ``extra`` entries are added to ``config.json`` (``refkv``: where the weights came from).
-    The folder is created; files in it are replaced atomically.
+    ``extra`` entries are added to ``config.json`` (``refkv``: where the weights came from,
+    the settings compared by :func:`checkpoint_folder`). ``folder`` is the
+    :class:`refkv.files.OutputFolder` :func:`checkpoint_folder` returned, or a path checked
+    by it here. Each file is replaced atomically, the weights first.
     """
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"--out {folder} exists and is not a folder")
-    folder.mkdir(parents=True, exist_ok=True)
+    if not isinstance(folder, OutputFolder):
+        folder = checkpoint_folder(folder, (extra or {}).get("refkv", {}))
     dtype = np.dtype(model.dtype).name
     config = {**hf_config_dict(model.config, dtype), **(extra or {})}
-    atomic_write(folder / "model.safetensors", safetensors_bytes(hf_tensors(model)))
-    atomic_write(folder / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    folder.write_bytes("model.safetensors", safetensors_bytes(hf_tensors(model)))
+    folder.write_bytes("config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8"))
     return config

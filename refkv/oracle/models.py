@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import OutputFolder
 from ..model import Model, builtin_model, families
-from .io import sha256, write_json, write_npz
+from .io import read_json, sha256, write_json, write_npz
 from .schema import header
 
 __all__ = ["DECODE_RULE", "MODELS", "PROMPT_RULE", "WEIGHTS_RULE", "build_model", "context_of", "decode_tokens",
@@ -93,6 +94,18 @@ def _conventions(config) -> list[str]:
     return lines
 
 
+def _weights_settings(manifest: Path) -> dict | None:
+    """The settings a weights manifest written by :func:`export_weights` records (None: no file)."""
+    if not manifest.exists() and not manifest.is_symlink():
+        return None
+    try:
+        m = read_json(manifest)
+        return {"builder": m["model"]["builder"], "seed": m["model"]["seed"], "dtype": m["dtype"]}
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{manifest}: a file is there that is not a weights manifest refkv wrote ({err}); refusing "
+                         f"to replace it -- use another name or remove it") from None
+
+
 def export_weights(path, *, seed: int = 0, dtype="float64", model: str = "tiny") -> dict:
     """Write the weights of model ``model`` of :data:`MODELS` (default ``tiny``) as ``path`` (.npz)
     plus a JSON manifest beside it.
@@ -106,6 +119,12 @@ def export_weights(path, *, seed: int = 0, dtype="float64", model: str = "tiny")
     path = Path(path)
     if path.suffix != ".npz":
         raise ValueError(f"the weights file must end in .npz, got {path.name}")
+    folder = OutputFolder(path.parent, what="folder of --out")
+    mine = {"builder": model, "seed": seed, "dtype": np.dtype(dtype).name}
+    for name in (path.name, path.with_suffix(".json").name):
+        folder.check_replaceable(name)
+    folder.refuse_other_settings(path.with_suffix(".json").name, mine, _weights_settings(path.with_suffix(".json")),
+                                 what="weights manifest")
     builder = model
     model = build_model(builder, seed, dtype)
     w = model.weights

@@ -11,12 +11,10 @@ path is checked by :func:`safe_path` first.
 
 from __future__ import annotations
 
-import os
 import posixpath
-import shutil
 from pathlib import Path
 
-from ..files import atomic_write
+from ..files import OutputFolder
 from .io import dumps, read_json
 from .kinds import SUITE_LAYOUTS, SUITE_PATH
 from .schema import require
@@ -51,18 +49,14 @@ def safe_path(root: Path, rel, where: str) -> str:
 
 
 # -- the transaction ---------------------------------------------------------------------------------------
-def _remove_tree(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
-
-
 def _apply(out: Path) -> None:
     """Move a committed staging folder's files into place, suite.json last; remove the stale files.
 
-    Idempotent: after an interruption it is run again and finishes the same move.
+    Idempotent: after an interruption it is run again and finishes the same move. Every
+    move and deletion goes through the suite's :class:`refkv.files.OutputFolder`, which
+    follows no link below the suite folder.
     """
+    folder = OutputFolder(out, what="suite folder")
     stage = out / STAGING
     where = str(stage / COMMITTED)
     try:
@@ -72,24 +66,22 @@ def _apply(out: Path) -> None:
     except ValueError as err:
         # Nothing was moved yet: dropping the staging folder leaves the old suite as it was,
         # and no state that only deleting .refkv-generate by hand would repair.
-        _remove_tree(stage)
+        folder.remove(STAGING)
         raise ValueError(f"{err} (the unfinished generation in {stage} was discarded; the suite is as "
                          f"before it)") from None
     for rel in moves:
         for name in (rel, rel[:-len(".json")] + ".npz"):
-            src = stage / name
-            if src.exists():
-                (out / name).parent.mkdir(parents=True, exist_ok=True)
-                os.replace(src, out / name)
-    if (stage / "suite.json").exists():
-        os.replace(stage / "suite.json", out / "suite.json")  # the new suite is published here
+            if folder.path(f"{STAGING}/{name}").exists():
+                folder.replace(f"{STAGING}/{name}", name)
+    if folder.path(f"{STAGING}/suite.json").exists():
+        folder.replace(f"{STAGING}/suite.json", "suite.json")  # the new suite is published here
     for rel in stale:
         for name in (rel, rel[:-len(".json")] + ".npz"):
-            (out / name).unlink(missing_ok=True)
-    _remove_tree(stage)
-    for folder in sorted({(out / rel).parent for rel in stale}, reverse=True):
-        if folder != out and folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
+            folder.remove(name)
+    folder.remove(STAGING)
+    for parent in sorted({(out / rel).parent for rel in stale}, reverse=True):
+        if parent != out and parent.is_dir() and not parent.is_symlink() and not any(parent.iterdir()):
+            parent.rmdir()
 
 
 def _journal_list(journal: dict, key: str, where: str) -> list:
@@ -103,8 +95,8 @@ def recover(out) -> bool:
     """Finish or discard a generation that was interrupted in folder ``out``.
 
     A staging folder with its commit record is rolled forward (its files were complete);
-    one without is deleted (the old suite was never touched). Returns whether anything
-    was found.
+    one without is deleted (the old suite was never touched; a symlink there is removed
+    itself, never what it points to). Returns whether anything was found.
     """
     out = Path(out)
     stage = out / STAGING
@@ -113,20 +105,21 @@ def recover(out) -> bool:
     if stage.is_dir() and not stage.is_symlink() and (stage / COMMITTED).is_file():
         _apply(out)
     else:
-        _remove_tree(stage)
+        OutputFolder(out, what="suite folder").remove(STAGING)
     return True
 
 
 def commit(out: Path, files: dict[str, bytes], index: dict, stale: list[str]) -> None:
-    stage = out / STAGING
-    _remove_tree(stage)
+    """Publish ``files`` and ``index`` into suite folder ``out`` and remove ``stale``, as one transaction."""
+    folder = OutputFolder(out, what="suite folder")
+    folder.remove(STAGING)
     for rel in sorted(rel for rel in files if rel.endswith(".json")) + stale:  # refused before anything is written
         safe_path(out, rel, f"generating into {out}")
+        folder.path(rel[:-len(".json")] + ".npz")
     for rel, data in files.items():
-        atomic_write(stage / rel, data)
-    atomic_write(stage / "suite.json", dumps(index).encode("utf-8"))
+        folder.write_bytes(f"{STAGING}/{rel}", data)
+    folder.write_bytes(f"{STAGING}/suite.json", dumps(index).encode("utf-8"))
     manifests = sorted(rel for rel in files if rel.endswith(".json"))
     # The commit point: once this record exists the new suite is complete on disk.
-    atomic_write(stage / COMMITTED, dumps({"files": manifests, "remove": stale}).encode("utf-8"))
+    folder.write_bytes(f"{STAGING}/{COMMITTED}", dumps({"files": manifests, "remove": stale}).encode("utf-8"))
     _apply(out)
-

@@ -108,11 +108,11 @@ def _dying(real_replace, k: int):
     """``os.replace`` that "kills" the process at its ``k``-th call."""
     count = [0]
 
-    def replace(a, b):
+    def replace(a, b, **dir_fds):
         count[0] += 1
         if count[0] == k:
             raise _Killed
-        real_replace(a, b)
+        real_replace(a, b, **dir_fds)
     return replace
 
 
@@ -150,7 +150,7 @@ def test_attack_13_02_a_kill_at_any_point_leaves_the_old_or_the_new_suite(monkey
     shutil.copytree(small_suite, new_dir)
     real_replace = os.replace
     calls = []
-    monkeypatch.setattr(os, "replace", lambda a, b: (calls.append(1), real_replace(a, b))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b, **fds: (calls.append(1), real_replace(a, b, **fds))[1])
     generate_suite(new_dir, ["sink"])
     total = len(calls)
     old_index, new_index = read_json(small_suite / "suite.json"), read_json(new_dir / "suite.json")
@@ -189,11 +189,12 @@ import os, signal, sys
 sys.path.insert(0, {str(ROOT)!r})
 from refkv.oracle import generate, goldens
 real, calls = os.replace, [0]
-def replace(a, b):
+def replace(a, b, **dir_fds):
     calls[0] += 1
-    if str(b).endswith('.npz') and {STAGING!r} not in str(b):  # moving published files into place
+    # moving published files into place (a staged file, not a temporary file being written)
+    if str(b).endswith('.npz') and not str(a).endswith('.tmp'):
         os.kill(os.getpid(), signal.SIGKILL)
-    real(a, b)
+    real(a, b, **dir_fds)
 os.replace = replace
 goldens.MODEL_SEED = 1  # new content: other end-to-end weights
 generate.generate_suite({str(out)!r}, ["sink"])

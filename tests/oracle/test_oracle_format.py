@@ -134,7 +134,7 @@ def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path, monkeypatch
     p = tmp_path / "golden.json"
     oio.write_json(p, {"v": 1})
 
-    def boom(src, dst):
+    def boom(*args, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", boom)

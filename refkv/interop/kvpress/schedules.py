@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import transformers
 
+from ...files import OutputFolder
 from ...oracle.endtoend import EndToEnd, is_schedule, policy_from_manifest, read_end_to_end, write_end_to_end
 from ...oracle.io import read_json
 from ...oracle.ownstate import query_rows
@@ -282,6 +283,9 @@ def write_candidates(press, reference, out, *, policy: str, dtype: str = "float3
     if not found:
         raise ValueError(f"{reference} holds no schedule golden of policy {policy!r} (refkv golden generate "
                          f"--out {reference} --policies {policy})")
+    folder = OutputFolder(out, inputs=[reference], what="candidate folder")
+    for rel, _ in found:  # no symlinked component below out, not into the goldens: refused before any run
+        folder.check_replaceable(rel), folder.check_replaceable(rel[:-len(".json")] + ".npz")
     models: dict = {}
     for rel, g in found:
         if golden_dtype is not None and g.manifest["dtype"] != golden_dtype:
@@ -303,10 +307,8 @@ def write_candidates(press, reference, out, *, policy: str, dtype: str = "float3
                     {"declare": dict(declare)} if declare else {}),
                     "candidate": {"press": repr(fitted), "kvpress_version": getattr(kvpress, "__version__", "?"),
                                   "transformers_version": transformers.__version__}}
-        target = Path(out) / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_end_to_end(target, manifest, arrays)
-        written.append(str(target))
+        write_end_to_end(folder / rel, manifest, arrays)
+        written.append(str(folder.path(rel)))
         if progress is not None:
             progress(f"{rel}: {type(fitted).__name__} ran {len(arrays['kept'])} rounds")
     if progress is not None:
