@@ -232,7 +232,7 @@ def test_show_passkey_highlights_the_needle(tmp_path, capsys):
     assert main(["show", "--passkey", "300", "--key", "12345", "--model", "tiny", "--policy", "keydiff",
                  "--budget", "64", "--block", "32", "--max-new-tokens", "0", "--threads", "1",
                  "--out", str(out)]) == 0
-    assert "[1 runs in " in capsys.readouterr().err  # no answers asked for: no no-eviction run
+    assert "[1 run in " in capsys.readouterr().err  # no answers asked for: no no-eviction run
     page = out.read_text(encoding="utf-8")
     assert "The pass key is 12345. Remember it." in page
     assert 'class="t hl"' in page
