@@ -44,8 +44,8 @@ from .model.config import TINY
 from .policies.spec import make_policy
 from .validation import check_int
 
-__all__ = ["Exploration", "PolicyRun", "explore", "highlight_tokens", "render_ansi", "render_html",
-           "token_pieces", "trace_decisions"]
+__all__ = ["Exploration", "PolicyRun", "explore", "highlight_tokens", "label_html", "nothing_evicted",
+           "render_ansi", "render_html", "token_pieces", "trace_decisions", "visible_answer"]
 
 #: ``decisions`` value of a token still cached at the end of the prefill.
 KEPT = -1
@@ -361,6 +361,16 @@ def visible_answer(text: str) -> str:
     return "".join(out)
 
 
+def label_html(label: str) -> str:
+    """A policy's label as HTML that wraps only between parameters.
+
+    ``keydiff(anchor='unit_mean', metric='cosine', reserve=0.0, eps=1e-08)``: each piece
+    between ``", "`` is one ``<span class="nw">`` (``white-space: nowrap``), so a line
+    breaks after a comma, never inside a name or a value (``1e-`` / ``08`` at its hyphen).
+    """
+    return ", ".join(f'<span class="nw">{html.escape(piece)}</span>' for piece in label.split(", "))
+
+
 def nothing_evicted(exp: Exploration) -> bool:
     """Whether no policy evicted any prompt token (the prompt fits in the budget)."""
     return all(bool(run.kept.all()) for run in exp.runs)
@@ -451,7 +461,7 @@ def render_html(exp: Exploration) -> str:
 
     answers = ["<tr><th>no eviction</th>" + answer_cell(exp.reference) + "</tr>"]
     for run in exp.runs:
-        answers.append(f"<tr><th>{e(run.label)}</th>{answer_cell(run.answer)}</tr>")
+        answers.append(f"<tr><th>{label_html(run.label)}</th>{answer_cell(run.answer)}</tr>")
     answers_note = ""
     if exp.model == TINY.name and exp.max_new_tokens:
         answers_note = ("<p class=\"note warn\">These answers are from <strong>tiny</strong>, refkv's built-in random "
@@ -470,7 +480,7 @@ def render_html(exp: Exploration) -> str:
         if run.kept.all():
             kept_line += " (nothing evicted)"
         panels.append(
-            f'<section class="policy" id="policy-{index}"><h3>{e(run.label)}</h3>'
+            f'<section class="policy" id="policy-{index}"><h3>{label_html(run.label)}</h3>'
             f'<p class="meta">{kept_line}</p>'
             f'<div class="gridwrap"><span class="axis">layer &rarr;</span>{_grid(exp, run, index)}</div>'
             f'<p class="sel" id="sel-{index}">coloured by the share of (layer, KV head) pairs that kept each token</p>'
