@@ -291,7 +291,7 @@ def _cmd_run(args) -> int:
     block = "whole prompt" if args.block is None else args.block
     print(f"model: {model.config.name} ({model.dtype}), policy: {engine.policy.describe()}, "
           f"budget: {args.budget}, block: {block}, prompt: {args.prompt_len} tokens, "
-          f"generated: {len(new)} tokens, threads: {choice.n}")
+          f"generated: {_count(len(new), 'token')}, threads: {choice.n}")
     attended = engine.position
     print(f"kept positions per layer and KV head (a-b is the range a..b; {attended} tokens were cached "
           f"in all, positions 0-{attended - 1}):")

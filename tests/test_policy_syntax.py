@@ -253,3 +253,31 @@ def test_visible_answer_marks_what_would_look_blank():
     assert visible_answer("a\tb\x00<") == 'a<span class="esc">\u21e5</span>b<span class="esc">\\x00</span>&lt;'
     assert visible_answer("   ") == '<span class="esc">\u2423</span>' * 3  # nothing but spaces
     assert visible_answer("two words") == "two words"  # spaces between words stay spaces
+
+
+# -- the docs show the one spec, and what they show runs ---------------------------------------
+def _doc_commands(pattern: str) -> list[tuple[str, str]]:
+    """``(file, command)`` for every command matching ``pattern`` in the README and the docs."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    found = []
+    for path in [root / "README.rst", *sorted((root / "docs").rglob("*.rst"))]:
+        text = path.read_text(encoding="utf-8")
+        for match in re.finditer(pattern, text, re.M):
+            found.append((path.name, match.group(1)))
+    return found
+
+
+def test_the_docs_name_policies_by_spec_and_their_run_commands_work(capsys):
+    """Every ``refkv run --policy ...`` the README and docs show runs (on tiny, one new token), and
+    none uses the older ``--param`` where a spec says it in one word."""
+    import shlex
+
+    commands = _doc_commands(r"(?:``|\$ |^   )(refkv run --policy [^`\n]*?)(?:``|\s*#|$)")
+    assert len(commands) >= 8, commands
+    for name, command in commands:
+        words = shlex.split(command)
+        assert "--param" not in words, (name, command)
+        assert main([*words[1:], "--new-tokens", "1", "--threads", "1"]) == 0, (name, command)
+        capsys.readouterr()
