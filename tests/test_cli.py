@@ -317,7 +317,8 @@ def test_python_dash_m():
 def test_parse_params_and_ranges():
     assert parse_params(["sink=4", "name=h2o", "frac=0.5", "flag=True", "t=(1, 2)"]) == {
         "sink": 4, "name": "h2o", "frac": 0.5, "flag": True, "t": (1, 2)}
-    with pytest.raises(ValueError, match="name=value"):
+    with pytest.raises(ValueError, match=re.escape("--param takes NAME=VALUE as one word, e.g. --param "
+                                                   "reserve=0.25; got 'novalue'")):
         parse_params(["novalue"])
     assert parse_params(["code=__import__('os')"]) == {"code": "__import__('os')"}  # never evaluated
     assert format_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"

@@ -232,7 +232,7 @@ def test_show_passkey_highlights_the_needle(tmp_path, capsys):
     assert main(["show", "--passkey", "300", "--key", "12345", "--model", "tiny", "--policy", "keydiff",
                  "--budget", "64", "--block", "32", "--max-new-tokens", "0", "--threads", "1",
                  "--out", str(out)]) == 0
-    assert "[1 runs in " in capsys.readouterr().err  # no answers asked for: no no-eviction run
+    assert "[1 run in " in capsys.readouterr().err  # no answers asked for: no no-eviction run
     page = out.read_text(encoding="utf-8")
     assert "The pass key is 12345. Remember it." in page
     assert 'class="t hl"' in page
@@ -333,3 +333,55 @@ def test_the_script_selects_the_head_in_the_address(result, tmp_path):
                          rf'{run.last_block[1]}<', dom)
     assert dom.count('class="cell on"') == len(result.runs)
     assert "scores at the layer's last eviction" in dom
+
+
+#: Measures the page in the browser: words of policy labels split across lines, and the size of
+#: the grid's cells. Written into the DOM, which ``--dump-dom`` returns.
+_MEASURE = """<script>
+window.addEventListener("load", function () {
+  var split = [];
+  document.querySelectorAll("h3, .answers th").forEach(function (el) {
+    var walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT), node;
+    while ((node = walker.nextNode())) {
+      var re = /[^\\s,]+/g, m;
+      while ((m = re.exec(node.data))) {
+        var range = document.createRange();
+        range.setStart(node, m.index); range.setEnd(node, m.index + m[0].length);
+        var tops = {};
+        Array.prototype.forEach.call(range.getClientRects(), function (r) { tops[Math.round(r.top)] = 1; });
+        if (Object.keys(tops).length > 1) { split.push(m[0]); }
+      }
+    }
+  });
+  var cells = Array.prototype.map.call(document.querySelectorAll("td.cell"), function (c) {
+    var r = c.getBoundingClientRect(); return [r.width, r.height];
+  });
+  var lines = Array.prototype.map.call(document.querySelectorAll("h3"), function (h) {
+    return Math.round(h.getBoundingClientRect().height);
+  });
+  var out = document.createElement("pre"); out.id = "measured";
+  out.textContent = JSON.stringify({split: split, cells: cells, h3: lines});
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+@pytest.mark.skipif(not __import__("shutil").which("chromium"), reason="needs a headless chromium")
+def test_labels_never_break_inside_a_word_and_cells_are_large_targets(result, tmp_path):
+    """In a narrow window (labels must wrap), no word of a policy label is split across lines
+    ("metric='cos" / "ine'" was), and every grid cell is at least 16 x 22 px, gaps included."""
+    import html
+    import json
+    import subprocess
+
+    page = tmp_path / "narrow.html"
+    page.write_text(render_html(result).replace("</body>", _MEASURE + "</body>"), encoding="utf-8")
+    dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          "--disable-background-networking", "--window-size=360,900", "--virtual-time-budget=3000",
+                          "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    measured = json.loads(html.unescape(re.search(r'<pre id="measured">(.*?)</pre>', dom, re.S).group(1)))
+    assert max(measured["h3"]) > 1.5 * min(measured["h3"])  # some label did wrap: the check means something
+    assert measured["split"] == []
+    n_cells = len(result.runs) * result.n_layers * result.n_kv_heads
+    assert len(measured["cells"]) == n_cells
+    assert min(w for w, _ in measured["cells"]) >= 16 and min(h for _, h in measured["cells"]) >= 22

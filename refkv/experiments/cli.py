@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from ..files import OutputFolder, read_regular
+from ..policies.spec import parse_spec_list
 from ..threads import ThreadChoice, blas_threads, check_threads, choose_threads
 from ..validation import check_int
 from .cluster import check_scheduler, dask_executor
@@ -20,7 +21,7 @@ from .tables import format_table
 #: Largest table or plot ``--publish`` copies (a summary file is kilobytes to a few MB).
 MAX_PUBLISHED_BYTES = 256 << 20
 
-__all__ = ["add_experiment_command", "summary_table"]
+__all__ = ["add_experiment_command", "policy_list", "summary_table"]
 
 
 def _optional_int(text: str, option: str):
@@ -58,7 +59,9 @@ def add_experiment_command(sub) -> None:
                    help="'tiny', 'smollm2' or a path (default: smollm2 when installed, else tiny)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="compute precision")
     p.add_argument("--policies", nargs="+", metavar="SPEC",
-                   help="policy specs replacing the defaults, e.g. sink keydiff caote:base=h2o")
+                   help="policy specs replacing the defaults, separated by spaces or commas; each a name from "
+                        "`refkv policies` with parameters as name:param=value,... or name(param=value,...), "
+                        "e.g. sink keydiff:reserve=0.25 'caote(base=h2o)'")
     p.add_argument("--budgets", nargs="+", metavar="N", help="budgets N (integers, or 'none')")
     p.add_argument("--blocks", nargs="+", metavar="B", help="block sizes B (integers, or 'none' = one shot)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the grid (default 0)")
@@ -76,6 +79,18 @@ def add_experiment_command(sub) -> None:
     p.set_defaults(func=_cmd_experiment)
 
 
+def policy_list(items) -> list[str]:
+    """``--policies``' words as one spec per policy: each word may list several, comma-separated,
+    as ``refkv show --policy`` does (``h2o,tova keydiff:reserve=0.25`` is three policies)."""
+    specs = []
+    for item in items:
+        try:
+            specs += parse_spec_list(item)
+        except ValueError as err:
+            raise ValueError(f"--policies: {item!r}: {err}") from None
+    return specs
+
+
 def _cmd_experiment(args) -> int:
     check_int("--jobs", args.jobs, 1)
     check_int("--seed", args.seed, 0)
@@ -84,6 +99,7 @@ def _cmd_experiment(args) -> int:
     if args.scheduler is not None:
         check_scheduler(args.scheduler)
     if args.policies:
+        args.policies = policy_list(args.policies)
         check_policy_specs(args.policies, "--policies")  # every spec, before any cell runs
     settings = Settings(
         quick=args.quick, model=args.model, dtype=args.dtype,

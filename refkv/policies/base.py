@@ -478,7 +478,29 @@ def policy_class(name: str) -> type[Policy]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; available: {', '.join(available())}") from None
+        head = name.split(":", 1)[0].split("(", 1)[0].strip()
+        if head != name and head in _REGISTRY:  # "keydiff:reserve=0.25" given where a bare name is read
+            raise ValueError(f"unknown policy {name!r}: that is a policy spec (a name with parameters); "
+                             f"refkv.policies.spec.make_policy reads it, or pass the name {head!r} and the "
+                             f"parameters apart") from None
+        raise ValueError(f"unknown policy {name!r}{_did_you_mean(name, available(), 'policy names are lower case')}; "
+                         f"available: {', '.join(available())}") from None
+
+
+def _did_you_mean(word: str, choices: list[str], case_note: str) -> str:
+    """`` (did you mean 'h2o'?)`` for a mistyped name, or ``""``.
+
+    A name that differs only in case gets its registered spelling (names are matched
+    exactly, so that one policy has one spec in records and tables); otherwise the closest
+    name by :func:`difflib.get_close_matches`, compared in lower case.
+    """
+    import difflib
+
+    lower = {choice.lower(): choice for choice in choices}
+    if word.lower() in lower:
+        return f" (did you mean {lower[word.lower()]!r}? {case_note})"
+    close = difflib.get_close_matches(word.lower(), list(lower), n=1, cutoff=0.6)
+    return f" (did you mean {lower[close[0]]!r}?)" if close else ""
 
 
 def get(name: str, **params) -> Policy:
@@ -495,7 +517,8 @@ def get(name: str, **params) -> Policy:
     unknown = [key for key in params if key not in allowed]
     if unknown:
         listed = ", ".join(allowed) if allowed else "none"
-        raise ValueError(f"policy {name!r} has no parameter {unknown[0]!r}; allowed: {listed}")
+        hint = _did_you_mean(unknown[0], allowed, "parameter names are lower case")
+        raise ValueError(f"policy {name!r} has no parameter {unknown[0]!r}{hint}; allowed: {listed}")
     return cls(**params)
 
 

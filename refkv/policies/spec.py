@@ -5,7 +5,8 @@ A policy is named in text two ways, and both are read here:
 * a **spec**, ``name`` or ``name:param=value,param=value`` (experiments, records, tables),
   e.g. ``caote:base=h2o,fast=True``; the same with the parameters in parentheses,
   ``name(param=value,param=value)``, is the same spec (``adakv(base=keydiff,form=kvpress)``);
-* the command line's ``--policy NAME --param param=value ...``.
+* the command line's ``--policy SPEC`` (either form), to which ``--param param=value``
+  adds parameters (:func:`with_params`; the older ``--policy NAME --param ...`` form).
 
 Values are Python literals read with :func:`ast.literal_eval` (numbers, strings, tuples,
 lists, dicts, booleans, None), so nothing is executed; anything else is taken as a plain
@@ -20,7 +21,8 @@ import ast
 
 from .base import Policy, get, policy_class
 
-__all__ = ["canonical_spec", "make_policy", "parse_params", "parse_spec", "parse_spec_list", "parse_value"]
+__all__ = ["canonical_spec", "make_policy", "parse_params", "parse_spec", "parse_spec_list", "parse_value",
+           "with_params"]
 
 
 def parse_value(raw: str):
@@ -42,7 +44,37 @@ def _assignment(item: str, where: str) -> tuple[str, object]:
 
 def parse_params(items: list[str] | None) -> dict:
     """``["key=value", ...]`` (repeated ``--param``) -> ``{key: value}``."""
-    return dict(_assignment(item, "--param") for item in items or [])
+    params = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ValueError(f"--param takes NAME=VALUE as one word, e.g. --param reserve=0.25; got {item!r}")
+        params[key.strip()] = parse_value(raw)
+    return params
+
+
+def with_params(spec: str, items: list[str] | None) -> str:
+    """The spec with ``--param`` items added to its parameters.
+
+    ``with_params("keydiff", ["reserve=0.25"])`` is ``"keydiff:reserve=0.25"``, and so is
+    ``with_params("keydiff(reserve=0.25)", [])`` up to spelling (without items the spec is
+    returned as given). A parameter set both in the spec and by an item must agree.
+
+    Raises
+    ------
+    ValueError
+        As :func:`parse_spec` and :func:`parse_params`, or a parameter given twice with two values.
+    """
+    name, params = parse_spec(spec)
+    extra = parse_params(items)
+    if not extra:
+        return spec
+    for key, value in extra.items():
+        if key in params and params[key] != value:
+            raise ValueError(f"parameter {key!r} is given twice, {key}={_format_value(params[key])} in the spec "
+                             f"{spec!r} and --param {key}={_format_value(value)}; give it once")
+    merged = {**params, **extra}
+    return name + ":" + ",".join(f"{k}={_format_value(v)}" for k, v in merged.items())
 
 
 def _split_top_level(text: str, sep: str = ",") -> list[str]:
