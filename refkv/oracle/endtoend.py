@@ -76,9 +76,9 @@ def is_schedule(manifest: dict) -> bool:
     return isinstance(manifest, dict) and "schedule" in manifest
 
 
-def end_to_end_files(stem: str, manifest: dict, arrays: dict) -> tuple[dict, bytes, bytes]:
+def end_to_end_files(stem: str, manifest: dict, arrays: dict, compresslevel: int = 9) -> tuple[dict, bytes, bytes]:
     """The complete manifest and the bytes of ``<stem>.json`` and ``<stem>.npz`` (not written)."""
-    data = npz_bytes(arrays)
+    data = npz_bytes(arrays, compresslevel)
     manifest = {**manifest, "arrays": {
         "file": f"{stem}.npz",
         "sha256": sha256(data),
@@ -87,15 +87,18 @@ def end_to_end_files(stem: str, manifest: dict, arrays: dict) -> tuple[dict, byt
     return manifest, dumps(manifest).encode("utf-8"), data
 
 
-def write_end_to_end(json_path, manifest: dict, arrays: dict) -> dict:
+def write_end_to_end(json_path, manifest: dict, arrays: dict, compresslevel: int = 9) -> dict:
     """Write the ``.npz`` (next to ``json_path``, same stem) and then the manifest; return it.
+
+    ``compresslevel`` of the ``.npz`` (:func:`refkv.oracle.io.npz_bytes`): 9 for goldens, 1
+    for the adapter's large candidates.
 
     ``json_path`` is a :class:`refkv.files.Target` of the folder the user named
     (``folder / "e2e/keydiff/x.json"``: written through its guards) or a plain path.
     """
     if not isinstance(json_path, Target):
         json_path = Path(json_path)
-    manifest, text, data = end_to_end_files(Path(json_path.name).stem, manifest, arrays)
+    manifest, text, data = end_to_end_files(Path(json_path.name).stem, manifest, arrays, compresslevel)
     atomic_write(json_path.with_suffix(".npz"), data)
     atomic_write(json_path, text)
     return manifest

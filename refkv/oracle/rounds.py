@@ -368,6 +368,12 @@ def _judge_own_state(res, candidate, reference, manifest, policy, kept_c, counts
             judged += 1
             res.decisions += 1
             evicting += int(case.sizes["n"] > case.budget)
+            if case.head_budgets is None and {len(row) for row in rows} != {case.outputs["kept"].shape[1]}:
+                diverge(r, l, None, "kept count differs",
+                        f"{where}: candidate holds {', '.join(str(len(row)) for row in rows)} tokens in its "
+                        f"{hkv} KV heads; refkv's decision on its state keeps {case.outputs['kept'].shape[1]} "
+                        f"per head (layer budget {case.budget}, {case.sizes['n']} candidates)")
+                continue
             cand = {"kept": rows if case.head_budgets is not None else np.stack(rows) if rows else
                     np.zeros((hkv, 0), dtype=np.int64)}
             mapped = _scores_on_case(cand_scores, score_pos, r, l, case)

@@ -149,7 +149,7 @@ def test_adakv_snapkv_bfloat16_moves_one_token_between_heads_by_a_near_tie(golde
     """
     if DEVICE != "cpu":  # bfloat16 arithmetic differs by device: the near tie falls elsewhere on a GPU
         pytest.skip("the pinned numbers are the CPU's (on an H100 the move is at layer 1, head 0, position 38)")
-    from refkv.oracle.endtoend import read_end_to_end
+    from refkv.oracle.endtoend import read_end_to_end, write_end_to_end
     from refkv.oracle.tolerance import UNIT_ROUNDOFF, decision_tolerance, e2e_rtol
 
     reference, policy = goldens("AdaKVPress", "SnapKVPress")
@@ -178,7 +178,17 @@ def test_adakv_snapkv_bfloat16_moves_one_token_between_heads_by_a_near_tie(golde
             f"relative {gap / evicted_by_us:.1e}".replace("e-0", "e-"), f"both {theirs[0, 31]:.7f}",
             f"tolerance {tol:.2f}")
     assert all(words in status for words in said), said
-    # the check accepts it as a tie across the pooled heads, and --strict-ties refuses it
+    # judged on its own state (the bfloat16 scores it had) the press decided as refkv does: no tie
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        code = main(["golden", "check", str(tmp_path), "--against", str(reference), "--kind", "e2e", "--policies",
+                     policy, "--case-dtype", "all", "--dtype", "bfloat16", "--verbose", "--strict-ties"])
+    assert code == 0 and "tie accepted" not in report.getvalue(), report.getvalue()
+    # without its state, the check against the reference's float32 scores accepts the move as a tie
+    # across the pooled heads, and --strict-ties refuses it
+    cand = read_end_to_end(path, candidate=True)
+    write_end_to_end(path, {k: v for k, v in cand.manifest.items() if k != "arrays"},
+                     {k: v for k, v in cand.arrays.items() if not k.startswith("state_")})
     for strict, want in ((False, 0), (True, 1)):
         report = io.StringIO()
         with contextlib.redirect_stdout(report):

@@ -141,8 +141,10 @@ def stack(records, logits, dtype) -> dict:
     c_width = max((r[3].shape[1] for rec in records for r in rec if r[3] is not None), default=0)
     kept = np.full((n_rounds, n_layers, hkv, width), -1, dtype=np.int64)
     counts = np.zeros((n_rounds, n_layers), dtype=np.int64)
-    row_keys = np.zeros((n_rounds, n_layers, hkv, width, d))
-    row_values = np.zeros((n_rounds, n_layers, hkv, width, d))
+    # float32 holds a bfloat16, float16 or float32 model's numbers exactly (half the bytes of float64)
+    exact = np.float64 if dtype == "float64" else np.float32
+    row_keys = np.zeros((n_rounds, n_layers, hkv, width, d), dtype=exact)
+    row_values = np.zeros((n_rounds, n_layers, hkv, width, d), dtype=exact)
     scores = np.full((n_rounds, n_layers, hkv, c_width), np.nan)
     score_pos = np.full((n_rounds, n_layers, hkv, c_width), -1, dtype=np.int64)
     for r, rec in enumerate(records):

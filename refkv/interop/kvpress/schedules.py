@@ -307,7 +307,7 @@ def write_candidates(press, reference, out, *, policy: str, dtype: str = "float3
                     {"declare": dict(declare)} if declare else {}),
                     "candidate": {"press": repr(fitted), "kvpress_version": getattr(kvpress, "__version__", "?"),
                                   "transformers_version": transformers.__version__}}
-        write_end_to_end(folder / rel, manifest, arrays)
+        write_end_to_end(folder / rel, manifest, arrays, compresslevel=1)
         written.append(str(folder.path(rel)))
         if progress is not None:
             progress(f"{rel}: {type(fitted).__name__} ran {len(arrays['kept'])} rounds")
