@@ -64,7 +64,7 @@ def test_errors_exit_2_with_a_message(capsys):
      "--block must be <= 60 for --policy mat with --budget 64"),  # N - sink in its shallow layers
     (["--policy", "hashevict", "--budget", "64"],
      "--policy hashevict with --budget 64 cannot process the prompt (300 tokens) as one block"),
-    (["--prompt-len", "0"], "--prompt-len must be an integer >= 1"),
+    (["--prompt-len", "0"], "--prompt-len must be an integer in [1, 131072], got 0"),
 ])
 def test_run_rejects_bad_combinations_in_one_line(argv, message, capsys):
     assert main(["run", *argv]) == 2
