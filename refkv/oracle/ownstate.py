@@ -45,7 +45,8 @@ from ..model.config import ModelConfig
 from ..policies import Policy
 from .vectors import VectorCase, json_params
 
-__all__ = ["STATE_ARRAYS", "query_rows", "round_case", "state_given", "step_span", "unjudgeable"]
+__all__ = ["STATE_ARRAYS", "TOKEN_ARRAYS", "OffBranch", "query_rows", "replay_layer", "replayable", "round_case",
+           "state_given", "step_span", "step_spans", "tokens_given", "unjudgeable", "view_case"]
 
 #: The arrays a schedule candidate gives for its decisions to be judged on its own state.
 STATE_ARRAYS = ("state_positions", "state_keys", "state_values", "state_queries")
@@ -157,3 +158,100 @@ def round_case(policy: Policy, manifest: dict, r: int, layer: int, positions: np
         case = replace(case, head_budgets=head_budgets)
     return case
 
+
+
+#: The arrays a schedule candidate gives for a policy with per-token state to be replayed:
+#: every token's query, key and value at every layer, as the candidate computed them.
+TOKEN_ARRAYS = ("token_queries", "token_keys", "token_values")
+
+
+def tokens_given(candidate: dict) -> bool:
+    """Whether ``candidate`` holds :data:`TOKEN_ARRAYS`."""
+    return all(name in candidate for name in TOKEN_ARRAYS)
+
+
+def replayable(policy: Policy, config: ModelConfig) -> bool:
+    """Whether ``policy``'s decisions are judged by a replay of the candidate's tokens (a policy
+    with per-token state, or one that evicts before attention), not from one round's state."""
+    return policy.evict_before_attention or bool(policy.fields(config))
+
+
+def step_spans(manifest: dict) -> list[tuple[int, int]]:
+    """``(first position, token count)`` of every forward call of a schedule golden: the
+    prompt's blocks (one block in one-shot prefill), then one call per decoded token."""
+    t = int(manifest["prompt"]["length"])
+    block = manifest["schedule"].get("block_size")
+    b = t if block is None else int(block)
+    spans = [(first, min(b, t - first)) for first in range(0, t, b)]
+    return spans + [(t + i, 1) for i in range(int(manifest["decode"]["length"]))]
+
+
+class OffBranch(ValueError):
+    """The candidate's kept set at a round names a position its replayed cache does not hold."""
+
+
+def replay_layer(policy: Policy, manifest: dict, layer: int, queries: np.ndarray, keys: np.ndarray,
+                 values: np.ndarray, kept: np.ndarray, counts: np.ndarray):
+    """Yield ``(round, view)`` of every round of one layer, replayed on the candidate's tokens.
+
+    The layer's cache is rebuilt step by step from the candidate's own queries, keys and
+    values (``(H, P, d)``, ``(Hkv, P, d)`` for the ``P`` tokens fed) through
+    :func:`refkv.engine.layer_step` -- the step the engine runs, so per-token state (H2O's
+    accumulated attention, HashEvict's codes) is computed as refkv computes it -- and after
+    each round it keeps what the **candidate** kept (``kept`` (R, Hkv, K) positions,
+    ``counts`` (R,)): the next round is judged on the candidate's own branch. The view is the
+    one refkv's policy decides on at that round (also when the cache fits its budget).
+    Raises ``OffBranch`` if the candidate keeps a position its cache cannot hold.
+    """
+    from ..cache import LayerCache
+    from ..engine import decision_view, layer_step
+    from ..model.config import ModelConfig
+
+    cfg = ModelConfig(**manifest["model"]["config"])
+    cache = LayerCache(cfg.n_kv_heads, cfg.d_head, np.float64, policy.fields(cfg))
+    rounds = {int(info["step"]): r for r, info in enumerate(manifest["rounds"])}
+    for step, (first, count) in enumerate(step_spans(manifest)):
+        r = rounds.get(step)
+        seen: list = []
+
+        def evict(view, keep, stage, r=r, seen=seen, first=first):
+            seen.append((decision_view(view, keep), stage))
+            # before attention the step's own tokens are appended after the eviction
+            cache.keep(_candidate_columns(view.positions, kept[r], int(counts[r]), r,
+                                          first if stage == "before-attention" else None))
+
+        span = slice(first, first + count)
+        layer_step(policy, cache, np.asarray(queries[:, span], dtype=np.float64),
+                   np.asarray(keys[:, span], dtype=np.float64), np.asarray(values[:, span], dtype=np.float64),
+                   layer=layer, n_layers=cfg.n_layers, evict=evict, evict_always=r is not None, config=cfg,
+                   budget=None if r is None else int(manifest["rounds"][r]["budget"]), attention="matrix")
+        if r is not None:
+            yield r, seen[0][0]
+
+
+def _candidate_columns(positions: np.ndarray, kept: np.ndarray, count: int, r: int, block_first: int | None = None):
+    """Columns of ``positions`` (Hkv, n; EMPTY in empty slots) holding the candidate's kept positions
+    (those before ``block_first``, the step's first token, when the eviction precedes the step's tokens)."""
+    rows = []
+    for h in range(positions.shape[0]):
+        want = np.sort(kept[h, :count][kept[h, :count] >= 0])
+        if block_first is not None:
+            want = want[want < block_first]
+        column = {int(p): c for c, p in enumerate(positions[h]) if p != EMPTY}
+        missing = [int(p) for p in want if int(p) not in column]
+        if missing:
+            raise OffBranch(f"head {h}: the candidate keeps position {missing[0]} after round {r}, which its own "
+                             f"cache did not hold at that round")
+        rows.append(np.array([column[int(p)] for p in want], dtype=np.int64))
+    if len({len(row) for row in rows}) == 1:
+        return np.stack(rows)
+    return rows
+
+
+def view_case(policy: Policy, view, case_id: int, comment: str) -> VectorCase:
+    """The vector case of a replayed decision: refkv's outputs on the candidate's inputs
+    (:func:`refkv.oracle.encode.encode_case`, so the case holds what its outputs follow from)."""
+    from .encode import encode_case
+    from .vectors import as_vector_case
+
+    return as_vector_case(encode_case(policy, view, case_id=case_id, comment=comment, extra_flags=("replayed",)))

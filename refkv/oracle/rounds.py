@@ -50,7 +50,17 @@ from .cases import _compare_scores, compare_case
 from .declare import Declarations
 from .endtoend import fingerprints, policy_from_manifest
 from .models import is_checkpoint
-from .ownstate import query_rows, round_case, state_given, unjudgeable
+from .ownstate import (
+    OffBranch,
+    query_rows,
+    replay_layer,
+    replayable,
+    round_case,
+    state_given,
+    tokens_given,
+    unjudgeable,
+    view_case,
+)
 from .retention import compare_kept, compare_uneven
 from .status import Status
 from .tolerance import check_dtype_name, decision_tolerance, e2e_rtol, scale_floor, scaled_atol, tolerance_rule
@@ -150,11 +160,12 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
     def diverge(r, l, h, kind, message):
         res.divergences.append(Divergence(r, l, h, kind, message))
 
-    policy, why_not = _judged_policy(manifest, candidate)
+    policy, how, why_not = _judged_policy(manifest, candidate)
     if why_not is None:
-        res.form = "every round, on the candidate's own state"
-        taint = _judge_own_state(res, candidate, reference, manifest, policy, kept_c, counts_c, row_keys, row_values,
-                                 cand_scores, score_pos, name, decl, factor, strict_ties, p_rtol, d_head, diverge)
+        res.form = "every round, on the candidate's own state" + (" (its tokens replayed)" if how == "replay" else "")
+        taint = _judge_own_state(res, candidate, reference, manifest, policy, how, kept_c, counts_c, row_keys,
+                                 row_values, cand_scores, score_pos, name, decl, factor, strict_ties, p_rtol, d_head,
+                                 diverge)
     else:
         res.notes.append(_blind_spot_note(why_not, name, rtol, real))
         taint = _compare_with_reference(res, reference, manifest, kept_c, counts_c, row_keys, row_values, cand_scores,
@@ -296,18 +307,27 @@ def _compare_with_reference(res, reference, manifest, kept_c, counts_c, row_keys
 
 
 def _judged_policy(manifest: dict, candidate: dict):
-    """``(policy, None)`` if the candidate's decisions can be judged on its own state, else ``(policy, why not)``."""
+    """``(policy, how, None)`` if the candidate's decisions can be judged on its own state --
+    ``how`` is ``"state"`` (the rounds' recorded state) or ``"replay"`` (its tokens replayed) --
+    else ``(policy, None, why not)``."""
     try:
         policy = policy_from_manifest(manifest)
     except (KeyError, TypeError, ValueError) as err:
-        return None, f"the golden's policy cannot be built here ({err})"
-    if not state_given(candidate):
-        return policy, ("the candidate gives no state (state_positions, state_keys, state_values"
-                        + (", state_queries" if query_rows(policy) else "") + ")")
-    why = unjudgeable(policy, ModelConfig(**manifest["model"]["config"]))
-    if why is None and query_rows(policy) and "state_queries" not in candidate:
-        why = f"{policy.name} reads attention rows and the candidate gives no state_queries"
-    return policy, why
+        return None, None, f"the golden's policy cannot be built here ({err})"
+    cfg = ModelConfig(**manifest["model"]["config"])
+    why = unjudgeable(policy, cfg)
+    if state_given(candidate) and why is None:
+        if query_rows(policy) and "state_queries" not in candidate:
+            return policy, None, f"{policy.name} reads attention rows and the candidate gives no state_queries"
+        return policy, "state", None
+    if tokens_given(candidate):
+        return policy, "replay", None
+    if why is not None and replayable(policy, cfg):
+        return policy, None, (f"{why}: it is judged by replaying the candidate's tokens, and the candidate gives "
+                              f"no token_queries, token_keys, token_values")
+    return policy, None, ("the candidate gives no state (state_positions, state_keys, state_values"
+                          + (", state_queries" if query_rows(policy) else "") + ") and no tokens (token_queries, "
+                          "token_keys, token_values)")
 
 
 def _blind_spot_note(why_not: str, dtype: str, rtol: float, checkpoint: bool) -> str:
@@ -329,26 +349,25 @@ def _logits_drift(candidate: dict, reference: dict) -> str:
     return f"logits drift: max |diff| {fmt(diff, 3)} ({fmt(diff / scale_floor(want), 3)} of the largest logit)"
 
 
-def _judge_own_state(res, candidate, reference, manifest, policy, kept_c, counts_c, row_keys, row_values, cand_scores,
-                     score_pos, dtype, decl, factor, strict_ties, p_rtol, d_head, diverge) -> list:
+def _judge_own_state(res, candidate, reference, manifest, policy, how, kept_c, counts_c, row_keys, row_values,
+                     cand_scores, score_pos, dtype, decl, factor, strict_ties, p_rtol, d_head, diverge) -> list:
     """Every (round, layer) decision on the candidate's own state (:mod:`refkv.oracle.ownstate`).
 
-    Per decision: the state continues the previous round (its positions are the previous
-    kept positions plus the tokens fed since); refkv's decision on that state against the
-    candidate's kept set (:func:`refkv.oracle.cases.compare_case`, the decision's own
-    rounding in ``dtype`` as tolerance); each kept row holds its state's key and value for
-    the position it claims, bit for bit. While the candidate's kept sets are the
-    reference's, its rows are also held to the reference's fingerprints (model-level
-    tolerance ``p_rtol``); after, their distance is reported as drift only.
+    Per decision: refkv's decision on what the candidate had -- the round's recorded state,
+    which must continue the previous round (its positions are the previous kept positions
+    plus the tokens fed since), or for a policy with per-token state a replay of the
+    candidate's own tokens -- against the candidate's kept set
+    (:func:`refkv.oracle.cases.compare_case`, the decision's own rounding in ``dtype`` as
+    tolerance); each kept row holds, bit for bit, the key and value the candidate had for
+    the position it claims. While the candidate's kept sets are the reference's, its rows
+    are also held to the reference's fingerprints (model-level tolerance ``p_rtol``);
+    after, their distance is reported as drift only.
     Returns the (round, layer) pairs where the candidate's kept set is not the reference's.
     """
-    state_pos = as_array(candidate["state_positions"], "state_positions")
-    state_keys = as_array(candidate["state_keys"], "state_keys")
-    state_values = as_array(candidate["state_values"], "state_values")
-    queries = _optional(candidate, "state_queries")
     kept_r, counts_r = reference["kept"], reference["kept_count"]
     n_rounds, n_layers, hkv, _ = kept_r.shape
-    positions_after = reference["round_position"]
+    source = (_replayed_decisions if how == "replay" else _state_decisions)(
+        candidate, reference, manifest, policy, kept_c, counts_c)
     taint: list[tuple[int, int]] = []
     for r in range(n_rounds):
         judged = ties = evicting = flat = 0
@@ -357,14 +376,25 @@ def _judge_own_state(res, candidate, reference, manifest, policy, kept_c, counts
             where = f"round {r}, layer {l}"
             kc = int(counts_c[r, l])
             rows = [row[row >= 0] for row in kept_c[r, l, :, :kc]]
-            positions = state_pos[r, l]
-            problem = _state_continues(positions, None if r == 0 else kept_c[r - 1, l],
-                                       0 if r == 0 else int(positions_after[r - 1]), int(positions_after[r]))
-            if problem:
-                diverge(r, l, None, "state does not continue the previous round", f"{where}: {problem}")
+            decision = source.get((r, l))
+            if decision is None:  # its layer left the candidate's own branch at an earlier round (reported there)
+                res.unchecked += 1
                 continue
-            case = round_case(policy, manifest, r, l, positions, state_keys[r, l], state_values[r, l],
-                                     None if queries is None else queries[r, l])
+            if decision[0] == "problem":
+                diverge(r, l, None, decision[1], f"{where}: {decision[2]}")
+                continue
+            _, case, held = decision
+            if case.stage == "before-attention":
+                # the eviction precedes the step's own tokens, which the round's kept set must hold
+                first = int(case.inputs["query_positions"][0])
+                lost = [int(p) for row in rows for p in range(first, int(reference["round_position"][r]))
+                        if p not in set(row.tolist())]
+                if lost:
+                    diverge(r, l, None, "kept-set difference beyond ties",
+                            f"{where}: the candidate evicted position {lost[0]}, a token of the step itself, which "
+                            f"{policy.name} evicts before attention and never drops")
+                    continue
+                rows = [row[row < first] for row in rows]
             judged += 1
             res.decisions += 1
             evicting += int(case.sizes["n"] > case.budget)
@@ -388,9 +418,7 @@ def _judge_own_state(res, candidate, reference, manifest, policy, kept_c, counts
             # the kept set first: what a cache holds matters more than how its scores were written
             for message in sorted(out.messages, key=lambda m: m.startswith("scores")):
                 diverge(r, l, _head_of(message), _kind(message), f"{where}, {message}")
-            own = _rows_hold_their_state(r, l, rows, kept_c[r, l], positions, state_keys[r, l], state_values[r, l],
-                                         row_keys, row_values)
-            for kind, message in own:
+            for kind, message in _rows_hold_their_state(r, l, kept_c[r, l], *held, row_keys, row_values):
                 diverge(r, l, None, kind, f"{where}, {message}")
             if row_keys is not None:
                 res.rows_checked += sum(len(row) for row in rows)
@@ -402,7 +430,7 @@ def _judge_own_state(res, candidate, reference, manifest, policy, kept_c, counts
                     _check_rows(res, r, l, h, f"{where}, head {h}", kept_c[r, l, h, :kc],
                                 kept_r[r, l, h][kept_r[r, l, h] >= 0], reference, row_keys, row_values, d_head,
                                 p_rtol, manifest["tolerance"]["prints"], diverge)
-                del res.divergences[found:][1:]  # one fingerprint failure per decision is enough
+                del res.divergences[found + 1:]  # one fingerprint failure per decision is enough
             else:
                 if not same:
                     taint.append((r, l))
@@ -410,8 +438,59 @@ def _judge_own_state(res, candidate, reference, manifest, policy, kept_c, counts
                                                 row_keys, r, l, d_head))
         res.per_round.append({"round": r, "judged": judged, "evicting": evicting, "ties": ties,
                               "flat": flat, "drift": drift})
-    res.unchecked = 0
     return taint
+
+
+def _state_decisions(candidate, reference, manifest, policy, kept_c, counts_c) -> dict:
+    """(round, layer) -> ``("case", case, held)`` from the recorded state, or ``("problem", kind, text)``.
+
+    ``held`` is what the candidate's rows may hold: the state's positions, keys and values.
+    """
+    state_pos = as_array(candidate["state_positions"], "state_positions")
+    state_keys = as_array(candidate["state_keys"], "state_keys")
+    state_values = as_array(candidate["state_values"], "state_values")
+    queries = _optional(candidate, "state_queries")
+    n_rounds, n_layers = reference["kept"].shape[:2]
+    after = reference["round_position"]
+    out = {}
+    for r in range(n_rounds):
+        for l in range(n_layers):
+            positions = state_pos[r, l]
+            problem = _state_continues(positions, None if r == 0 else kept_c[r - 1, l, :, :int(counts_c[r - 1, l])],
+                                       0 if r == 0 else int(after[r - 1]), int(after[r]))
+            if problem:
+                out[r, l] = ("problem", "state does not continue the previous round", problem)
+                continue
+            case = round_case(policy, manifest, r, l, positions, state_keys[r, l], state_values[r, l],
+                              None if queries is None else queries[r, l])
+            out[r, l] = ("case", case, (positions, state_keys[r, l], state_values[r, l]))
+    return out
+
+
+def _replayed_decisions(candidate, reference, manifest, policy, kept_c, counts_c) -> dict:
+    """(round, layer) -> ``("case", case, held)`` from a replay of the candidate's own tokens
+    (:func:`refkv.oracle.ownstate.replay_layer`), or ``("problem", kind, text)`` where the
+    candidate kept a position its own cache could not hold (later rounds of that layer absent).
+
+    ``held`` is every token's position, key and value at the layer, as the candidate computed them.
+    """
+    queries = as_array(candidate["token_queries"], "token_queries")
+    keys = as_array(candidate["token_keys"], "token_keys")
+    values = as_array(candidate["token_values"], "token_values")
+    n_layers = reference["kept"].shape[1]
+    hkv, n_tokens = keys.shape[1], keys.shape[2]
+    everything = np.broadcast_to(np.arange(n_tokens, dtype=np.int64), (hkv, n_tokens))
+    out = {}
+    for l in range(n_layers):
+        r = 0
+        try:
+            for r, view in replay_layer(policy, manifest, l, queries[l], keys[l], values[l], kept_c[:, l],
+                                        counts_c[:, l]):
+                case = view_case(policy, view, r * n_layers + l, f"round {r}, layer {l}, replayed")
+                out[r, l] = ("case", case, (everything, keys[l], values[l]))
+        except OffBranch as err:
+            out[r, l] = ("problem", "kept-set difference beyond ties", str(err))
+    return out
 
 
 def _state_continues(positions, kept_before, first_new: int, end: int) -> str | None:
@@ -477,7 +556,7 @@ def _kind(message: str) -> str:
     return "kept-set difference beyond ties"
 
 
-def _rows_hold_their_state(r, l, rows, kept_rows, positions, keys, values, row_keys, row_values) -> list:
+def _rows_hold_their_state(r, l, kept_rows, positions, keys, values, row_keys, row_values) -> list:
     """Each kept row's key (value) against the state's key (value) of the position it claims: bit for bit."""
     out = []
     for name, got_all, state in (("key", row_keys, keys), ("value", row_values, values)):

@@ -235,3 +235,81 @@ def test_what_cannot_be_judged_on_own_state_says_why(name, why):
 @pytest.mark.parametrize("name", ["keydiff", "knorm", "sink", "tova", "snapkv", "pyramidkv", "adakv"])
 def test_stateless_policies_are_judged_on_own_state(name):
     assert unjudgeable(policies.get(name), builtin_model().config) is None
+
+
+# -- policies with per-token state: the candidate's tokens replayed -------------------------------------------
+def tokens_candidate(policy, sched, monkeypatch, dtype="float64", prompt_length=24):
+    """refkv run as a candidate that records every token's query, key and value at every layer."""
+    import refkv.engine as engine_module
+
+    seen: dict = {}
+    original = engine_module.layer_step
+
+    def spy(policy_, cache, q, k, v, *, layer, **kw):
+        seen.setdefault(layer, []).append((q.copy(), k.copy(), v.copy()))
+        return original(policy_, cache, q, k, v, layer=layer, **kw)
+
+    monkeypatch.setattr(engine_module, "layer_step", spy)
+    cand = candidate(policy, sched, dtype=dtype, prompt_length=prompt_length)
+    monkeypatch.undo()
+    for name in ("state_positions", "state_keys", "state_values", "state_queries"):
+        cand.pop(name, None)
+    layers = sorted(seen)
+    cand["token_queries"] = np.stack([np.concatenate([q for q, _, _ in seen[l]], axis=1) for l in layers])
+    cand["token_keys"] = np.stack([np.concatenate([k for _, k, _ in seen[l]], axis=1) for l in layers])
+    cand["token_values"] = np.stack([np.concatenate([v for _, _, v in seen[l]], axis=1) for l in layers])
+    return cand
+
+
+STATEFUL = {
+    "h2o": (lambda: policies.get("h2o", recent=2), SCHED),
+    "scissorhands": (lambda: policies.get("scissorhands"), SCHED),
+    "hashevict": (lambda: policies.get("hashevict"), Schedule(8, 16, 4, 16, new_tokens=12)),
+    "mat": (lambda: policies.get("mat"), Schedule(8, 16, 4, 16, new_tokens=12)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATEFUL))
+def test_a_policy_with_per_token_state_is_replayed_from_the_candidates_tokens(name, monkeypatch):
+    make, sched = STATEFUL[name]
+    m, a = run_schedule_golden(make(), sched)
+    cand = tokens_candidate(make(), sched, monkeypatch)
+    res = compare_schedule(cand, a, m)
+    assert res.ok, res.failure
+    assert res.form == "every round, on the candidate's own state (its tokens replayed)"
+    assert res.decisions == a["kept"].shape[0] * a["kept"].shape[1] and res.unchecked == 0
+    # the same candidate in float32 arithmetic passes at float32's rounding
+    res = compare_schedule(tokens_candidate(make(), sched, monkeypatch, dtype="float32"), a, m, dtype="float32")
+    assert res.ok, res.failure
+
+
+class LateH2O(policies.policy_class("h2o")):
+    """H2O whose decisions from the second round on keep the newest tokens (the heavy hitters go)."""
+
+    def score(self, view):
+        s = super().score(view)
+        return s if int(view.query_positions[-1]) < 28 else view.positions.astype(np.float64)
+
+
+def test_a_late_defect_of_a_stateful_policy_is_found_in_every_later_round(monkeypatch):
+    m, a = run_schedule_golden(policies.get("h2o", recent=2), SCHED)
+    res = compare_schedule(tokens_candidate(LateH2O(recent=2), SCHED, monkeypatch), a, m)
+    assert not res.ok and res.first_round == 1 and res.unchecked == 0
+    assert {d.round for d in res.divergences} == {1, 2}
+
+
+def test_a_kept_position_the_candidate_never_held_fails_and_names_it(monkeypatch):
+    m, a = run_schedule_golden(policies.get("h2o", recent=2), SCHED)
+    cand = tokens_candidate(policies.get("h2o", recent=2), SCHED, monkeypatch)
+    cand["kept"][0, 1, 0, 0] = 1023
+    res = compare_schedule(cand, a, m)
+    assert not res.ok and res.first_round == 0
+    assert "keeps position 1023 after round 0, which its own cache did not hold" in res.failure
+
+
+def test_a_replayed_row_holding_another_tokens_key_fails(monkeypatch):
+    m, a = run_schedule_golden(policies.get("h2o", recent=2), SCHED)
+    cand = tokens_candidate(policies.get("h2o", recent=2), SCHED, monkeypatch)
+    cand["row_keys"][2, 3, 1, 4] = cand["row_keys"][2, 3, 1, 5]
+    res = compare_schedule(cand, a, m)
+    assert not res.ok and any(d.kind == "row holds the wrong key" and d.round == 2 for d in res.divergences)
