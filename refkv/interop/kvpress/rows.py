@@ -16,7 +16,7 @@ import torch
 
 from ...model.layers import apply_rope
 
-__all__ = ["masked_rows", "match_rows", "snapshot", "stack", "stack_states", "state_of", "step_queries"]
+__all__ = ["masked_rows", "match_rows", "snapshot", "stack", "stack_states", "stack_tokens", "state_of", "step_queries"]
 
 
 def match_rows(keys, values, before_keys, before_values, before_positions, inv_freq=None) -> torch.Tensor:
@@ -219,3 +219,16 @@ def stack_states(states: list) -> dict:
                 # A shorter step (a decoded token) keeps its queries last, like the step's own order.
                 out["state_queries"][r, layer, :, -q.shape[1]:] = q.to(torch.float64).numpy()
     return out
+
+
+def stack_tokens(tokens: dict) -> dict:
+    """``token_queries`` (L, H, P, d), ``token_keys``, ``token_values`` (L, Hkv, P, d): every token's
+    query, key and value at every layer, from the per-step ``(q, k, v)`` of each layer, in float32
+    (a 16-bit or float32 model's numbers exactly; float64 for a float64 model)."""
+    layers = sorted(tokens)
+    exact = np.float64 if tokens[layers[0]][0][1].dtype == torch.float64 else np.float32
+
+    def joined(i):
+        return np.stack([torch.cat([step[i] for step in tokens[layer]], dim=1).to(torch.float64).numpy()
+                         for layer in layers]).astype(exact)
+    return {"token_queries": joined(0), "token_keys": joined(1), "token_values": joined(2)}

@@ -13,14 +13,15 @@ import torch
 import transformers
 
 from ...files import OutputFolder
+from ...model.config import ModelConfig
 from ...oracle.endtoend import EndToEnd, is_schedule, policy_from_manifest, read_end_to_end, write_end_to_end
 from ...oracle.io import read_json
-from ...oracle.ownstate import query_rows
+from ...oracle.ownstate import query_rows, unjudgeable
 from ...oracle.schema import E2E_SCHEMA, SCHEDULE_VERSION, header
 from ...policies import get as get_policy
 from ...schedule import Schedule
 from .models import DTYPES, compression_ratio, hf_model, model_of
-from .rows import masked_rows, match_rows, snapshot, stack, stack_states, state_of, step_queries
+from .rows import masked_rows, match_rows, snapshot, stack, stack_states, stack_tokens, state_of, step_queries
 
 __all__ = ["Skip", "fit_press", "needs_attention", "run_press", "schedule_goldens", "write_candidates"]
 
@@ -150,9 +151,13 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
     # What each round's eviction saw, for the check on the candidate's own state
     # (refkv.oracle.ownstate): the rows before the press acted, and the step's last queries
     # where the golden's policy reads attention rows.
+    # A policy one round's state cannot judge (per-token state, the step's own queries) is
+    # replayed from every token's query, key and value at every layer.
     policy = policy_from_manifest(g.manifest)
     n_queries = query_rows(policy)
     queries_now: dict[int, torch.Tensor] = {}
+    replay = unjudgeable(policy, ModelConfig(**g.manifest["model"]["config"])) is not None
+    tokens: dict[int, list] = {layer: [] for layer in range(n_layers)}
 
     def pre_press(module, args, kwargs, output):       # runs before the press's hook (registered first)
         layer = module.layer_idx
@@ -162,9 +167,13 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
         old = positions[layer] if positions[layer] is not None else torch.zeros(values.shape[0], 0, dtype=torch.long)
         pos = torch.cat([old, new_pos.expand(values.shape[0], -1)], dim=1)
         before[layer] = (keys, values, pos)
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         if step_positions["round"] and n_queries:
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             queries_now[layer] = step_queries(module, hidden, kwargs["position_embeddings"], n_queries)
+        if replay:
+            count = step_positions["count"]
+            tokens[layer].append((step_queries(module, hidden, kwargs["position_embeddings"], count),
+                                  keys[:, -count:], values[:, -count:]))
         return output
 
     handles = [layer.self_attn.register_forward_hook(pre_press, with_kwargs=True) for layer in hf.model.layers]
@@ -213,7 +222,7 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
             h.remove()
         for s in scorers:
             s.score = originals[id(s)]
-    return {**stack(records, logits, dtype), **stack_states(states)}
+    return {**stack(records, logits, dtype), **stack_states(states), **(stack_tokens(tokens) if replay else {})}
 
 
 
