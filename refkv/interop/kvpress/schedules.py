@@ -157,7 +157,7 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
     n_queries = query_rows(policy)
     queries_now: dict[int, torch.Tensor] = {}
     replay = unjudgeable(policy, ModelConfig(**g.manifest["model"]["config"])) is not None
-    tokens: dict[int, list] = {layer: [] for layer in range(n_layers)}
+    per_token: dict[int, list] = {layer: [] for layer in range(n_layers)}
 
     def pre_press(module, args, kwargs, output):       # runs before the press's hook (registered first)
         layer = module.layer_idx
@@ -172,7 +172,7 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
             queries_now[layer] = step_queries(module, hidden, kwargs["position_embeddings"], n_queries)
         if replay:
             count = step_positions["count"]
-            tokens[layer].append((step_queries(module, hidden, kwargs["position_embeddings"], count),
+            per_token[layer].append((step_queries(module, hidden, kwargs["position_embeddings"], count),
                                   keys[:, -count:], values[:, -count:]))
         return output
 
@@ -222,7 +222,7 @@ def run_press(press, golden: EndToEnd | str | os.PathLike, *, dtype: str = "floa
             h.remove()
         for s in scorers:
             s.score = originals[id(s)]
-    return {**stack(records, logits, dtype), **stack_states(states), **(stack_tokens(tokens) if replay else {})}
+    return {**stack(records, logits, dtype), **stack_states(states), **(stack_tokens(per_token) if replay else {})}
 
 
 
