@@ -450,3 +450,33 @@ def test_a_candidate_score_of_a_position_the_reference_did_not_score_is_not_comp
     cand["scores"][2, 3, 0, pad + 1] *= 1 + 1e-5
     res = compare_schedule(cand, a, m)
     assert not res.ok and res.divergences[0].kind == "score beyond tolerance"
+
+
+# -- the adapter keeps row values when row keys are left out ---------------------------------------------------
+def test_write_candidates_without_row_keys_still_writes_row_values(keydiff, tmp_path, monkeypatch):
+    """Kills: ``row_keys=False`` dropping ``row_values`` too (a KeyRerotationPress re-rotates its
+    kept keys, so only their keys go unchecked: which value each row holds still is). The press's
+    run is replaced by the reference's own rows (the adapter's writing is what is tested here;
+    the interop suite runs real presses)."""
+    kvpress = pytest.importorskip("kvpress")
+    from refkv.interop.kvpress import schedules
+
+    m, a = keydiff
+    (tmp_path / "ref" / "e2e" / "keydiff").mkdir(parents=True)
+    write_end_to_end(tmp_path / "ref" / "e2e" / "keydiff" / "sched.json", m, a)
+    rows = {**_kept_only(a), "row_keys": _rows_of(a, m), "row_values": _rows_of(a, m) * 2.0}
+
+    class NoModel:
+        def to(self, device):
+            return self
+
+    monkeypatch.setattr(schedules, "hf_model", lambda *args, **kwargs: NoModel())
+    monkeypatch.setattr(schedules, "run_press", lambda *args, **kwargs: {k: v.copy() for k, v in rows.items()})
+    press = kvpress.DecodingPress(base_press=kvpress.KeyDiffPress(), compression_interval=4, target_size=16)
+    done = schedules.write_candidates(press, tmp_path / "ref", tmp_path / "cand", policy="keydiff", row_keys=False,
+                                      progress=None)
+    assert len(done["written"]) == 1
+    from refkv.oracle.endtoend import read_end_to_end
+    written = read_end_to_end(done["written"][0], candidate=True).arrays
+    assert "row_keys" not in written
+    np.testing.assert_array_equal(written["row_values"], rows["row_values"])
