@@ -6,6 +6,8 @@
   :mod:`refkv.oracle.encode` writes them;
 * :mod:`refkv.oracle.endtoend` -- end-to-end goldens of tiny models (JSON + npz), read and
   written; :mod:`refkv.oracle.recorder` records them, running :mod:`refkv.oracle.models`;
+* :mod:`refkv.oracle.candidates` -- the one gate every candidate array passes before it is
+  compared (real, finite where judged, declared shapes, integral counts in range);
 * comparison, by level: :mod:`~refkv.oracle.arrays`, :mod:`~refkv.oracle.tolerance`,
   :mod:`~refkv.oracle.declare`, :mod:`~refkv.oracle.retention`, :mod:`~refkv.oracle.cases`,
   :mod:`~refkv.oracle.walk`, :mod:`~refkv.oracle.rounds`, :mod:`~refkv.oracle.status`;

@@ -14,6 +14,7 @@ import numpy as np
 from ..formatting import format_ranges
 from ..validation import check_choice, check_float
 from .arrays import as_array, compare_arrays
+from .candidates import validate_case_candidate
 from .declare import Declarations
 from .retention import compare_ranking, compare_retention
 from .status import Status
@@ -114,6 +115,7 @@ def compare_case(candidate: dict, reference, *, dtype=None, declare=None, tolera
     unknown = sorted(set(candidate) - {"scores", "protected", "kept"})
     if unknown:
         raise ValueError(f"candidate has unknown entries {unknown}; allowed: scores, protected, kept")
+    candidate = validate_case_candidate(candidate, reference, declare=decl)
     ref = reference.outputs
     positions = reference.inputs["positions"]
     result = CaseResult(reference.label, Status.OK)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..validation import check_choice, check_float
+from .candidates import CandidateError
 from .declare import Declarations
 from .io import read_json
 from .kinds import KINDS, LISTED, GoldenKind, family, kind_for, kind_of_document
@@ -171,7 +172,8 @@ def check_suite(candidate_dir, reference_dir, *, policies: Sequence[str] | None 
             kind = kind_for(entry["kind"], reference_dir / rel)
             options.update((key, per_kind[key]) for key in kind.options)
             report.files.append(kind.check(cand, reference_dir / rel, **options))
-        except ValueError as err:  # a malformed candidate file is a failure of that file
-            report.files.append(FileReport(rel, entry["kind"], Status.FAIL, failures=[f"unreadable: {err}"]))
+        except ValueError as err:  # a malformed or refused candidate file is a failure of that file
+            why = "refused" if isinstance(err, CandidateError) else "unreadable"
+            report.files.append(FileReport(rel, entry["kind"], Status.FAIL, failures=[f"{why}: {err}"]))
     report.seconds = time.perf_counter() - start
     return report

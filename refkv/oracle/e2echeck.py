@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .candidates import validate_end_to_end_candidate
 from .endtoend import CANDIDATE_ARRAYS, EndToEnd, read_end_to_end
-from .filecheck import candidate_settings, finish_end_to_end
+from .filecheck import candidate_settings, finish_end_to_end, npz_path
 from .io import read_json, read_npz
 from .report import FileReport
 from .schema import E2E_SCHEMA, check_header, require
@@ -29,7 +30,9 @@ def check_end_to_end_file(candidate_path, reference_path, *, dtype=None, declare
     ref = read_end_to_end(reference_path)
     cand = _read_candidate_e2e(candidate_path, final_only)
     name, decl, notes = candidate_settings(cand.manifest, str(candidate_path), dtype, declare, source)
-    res = compare_end_to_end(cand.arrays, ref.arrays, ref.manifest, dtype=name, declare=decl,
+    arrays = validate_end_to_end_candidate(cand.arrays, ref.arrays, ref.manifest, final_only=final_only,
+                                           source=npz_path(cand))
+    res = compare_end_to_end(arrays, ref.arrays, ref.manifest, dtype=name, declare=decl,
                              tolerance_factor=tolerance_factor, strict_ties=strict_ties, final_only=final_only,
                              check_dtype=check_dtype)
     report = FileReport(rel, "e2e", Status.OK, notes=notes + res.notes, compared=res.decisions)

@@ -3,12 +3,14 @@ end-to-end file's verdict from its walk's result."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from .declare import Declarations
 from .report import FileReport
 from .status import Status
 from .tolerance import check_dtype_name
 
-__all__ = ["candidate_settings", "finish_end_to_end"]
+__all__ = ["candidate_settings", "finish_end_to_end", "npz_path"]
 
 
 def candidate_settings(meta: dict, where: str, dtype, declare, source: str):
@@ -63,3 +65,8 @@ def finish_end_to_end(report: FileReport, res, head: str) -> FileReport:
         report.status = Status.TIE
     report.ties = [t.describe() for t in res.ties]
     return report
+
+
+def npz_path(golden) -> str:
+    """The ``.npz`` beside an end-to-end file read back (what a refusal of its arrays names)."""
+    return str(Path(golden.path).parent / golden.manifest["arrays"]["file"])

@@ -46,6 +46,7 @@ from ..model.config import ModelConfig
 from ..policies.base import Policy
 from ..validation import check_float
 from .arrays import as_array, fmt
+from .candidates import validate_schedule_candidate
 from .cases import _compare_scores, compare_case
 from .declare import Declarations
 from .endtoend import fingerprints, policy_from_manifest
@@ -109,6 +110,7 @@ def compare_schedule(candidate: dict, reference: dict, manifest: dict, *, dtype=
     """Compare a candidate's rounds (module docstring) with a schedule golden's arrays."""
     factor = check_float("tolerance_factor", tolerance_factor, 0.0, low_open=True)
     decl = Declarations.parse(declare)
+    candidate = validate_schedule_candidate(candidate, reference, manifest, declare=decl)
     golden_dtype = manifest.get("dtype", "float64")
     name = check_dtype_name(dtype) or golden_dtype
     tol = manifest["tolerance"]

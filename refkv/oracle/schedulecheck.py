@@ -4,8 +4,9 @@ by :func:`refkv.oracle.rounds.compare_schedule`."""
 
 from __future__ import annotations
 
+from .candidates import validate_schedule_candidate
 from .endtoend import read_end_to_end
-from .filecheck import candidate_settings, finish_end_to_end
+from .filecheck import candidate_settings, finish_end_to_end, npz_path
 from .report import FileReport
 from .rounds import compare_schedule
 from .status import Status
@@ -29,7 +30,8 @@ def check_schedule_file(candidate_path, reference_path, *, dtype=None, declare=N
                           compared=0)
     cand = read_end_to_end(candidate_path, candidate=True)
     name, decl, notes = candidate_settings(cand.manifest, str(candidate_path), dtype, declare, source)
-    res = compare_schedule(cand.arrays, ref.arrays, ref.manifest, dtype=name, declare=decl,
+    arrays = validate_schedule_candidate(cand.arrays, ref.arrays, ref.manifest, npz_path(cand), declare=decl)
+    res = compare_schedule(arrays, ref.arrays, ref.manifest, dtype=name, declare=decl,
                            tolerance_factor=tolerance_factor, strict_ties=strict_ties, check_dtype=check_dtype)
     report = FileReport(rel, "e2e", Status.OK, notes=notes + res.notes, compared=res.decisions)
     own = bool(res.per_round)

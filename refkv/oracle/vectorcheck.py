@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..policies import get
+from .candidates import CandidateError, validate_case_candidate
 from .cases import compare_case
 from .filecheck import candidate_settings
 from .report import FileReport
@@ -48,7 +49,14 @@ def check_vector_file(candidate_path, reference_path, *, dtype=None, declare=Non
             report.failures.append(f"{case.label}: missing from the candidate")
             n_fail += 1
             continue
-        res = compare_case(by_id[case.id].outputs, case, dtype=name, declare=decl, tolerance_factor=tolerance_factor,
+        try:  # refused before comparison: one line naming the file, the case and the array
+            outputs = validate_case_candidate(by_id[case.id].outputs, case, declare=decl,
+                                              source=f"{candidate_path}: case {case.id}")
+        except CandidateError as err:
+            report.failures.append(f"{case.label}: refused: {err}")
+            n_fail += 1
+            continue
+        res = compare_case(outputs, case, dtype=name, declare=decl, tolerance_factor=tolerance_factor,
                            strict_ties=strict_ties, check_dtype=check_dtype)
         warnings += sum(n.startswith("warning") for n in res.notes)
         if res.status is Status.FAIL:

@@ -35,6 +35,7 @@ import numpy as np
 from ..formatting import format_ranges
 from ..validation import check_float
 from .arrays import Mismatch, as_array, compare_arrays, fmt
+from .candidates import validate_end_to_end_candidate
 from .declare import Declarations
 from .models import is_checkpoint
 from .retention import compare_kept
@@ -75,6 +76,7 @@ def compare_end_to_end(candidate: dict, reference: dict, manifest: dict, *, dtyp
     """
     factor = check_float("tolerance_factor", tolerance_factor, 0.0, low_open=True)
     decl = Declarations.parse(declare)
+    candidate = validate_end_to_end_candidate(candidate, reference, manifest, final_only=final_only)
     golden_dtype = manifest.get("dtype", "float64")
     name = check_dtype_name(dtype) or golden_dtype
     tol = manifest["tolerance"]
