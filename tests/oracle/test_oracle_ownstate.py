@@ -158,11 +158,12 @@ def test_random_scores_fail_at_bfloat16_and_float16(keydiff_golden):
 def test_a_state_that_does_not_continue_the_previous_round_fails(keydiff_golden):
     m, a = keydiff_golden
     cand = candidate(policies.get("keydiff"))
+    evicted = sorted(set(cand["state_positions"][0, 2, 0].tolist()) - set(cand["kept"][0, 2, 0].tolist()))[0]
     pos = cand["state_positions"][1, 2, 0]
-    pos[pos == cand["kept"][0, 2, 0, 3]] = 999            # a kept position vanished, an unknown one appeared
+    pos[pos == cand["kept"][0, 2, 0, 3]] = evicted        # a kept position vanished, an evicted one came back
     res = compare_schedule(cand, a, m)
     assert not res.ok and res.divergences[0].kind == "state does not continue the previous round"
-    assert "it also holds 999" in res.failure and "it lacks" in res.failure
+    assert f"it also holds {evicted}" in res.failure and "it lacks" in res.failure
 
 
 def test_every_single_row_holding_a_wrong_key_is_caught(keydiff_golden):
@@ -301,10 +302,11 @@ def test_a_late_defect_of_a_stateful_policy_is_found_in_every_later_round(monkey
 def test_a_kept_position_the_candidate_never_held_fails_and_names_it(monkeypatch):
     m, a = run_schedule_golden(policies.get("h2o", recent=2), SCHED)
     cand = tokens_candidate(policies.get("h2o", recent=2), SCHED, monkeypatch)
-    cand["kept"][0, 1, 0, 0] = 1023
+    gone = sorted(set(range(24)) - set(cand["kept"][0, 1, 0].tolist()))[0]   # evicted at round 0
+    cand["kept"][1, 1, 0, 0] = gone
     res = compare_schedule(cand, a, m)
-    assert not res.ok and res.first_round == 0
-    assert "keeps position 1023 after round 0, which its own cache did not hold" in res.failure
+    assert not res.ok and res.first_round == 1
+    assert f"keeps position {gone} after round 1, which its own cache did not hold" in res.failure
 
 
 def test_a_replayed_row_holding_another_tokens_key_fails(monkeypatch):
