@@ -187,7 +187,11 @@ def step_spans(manifest: dict) -> list[tuple[int, int]]:
 
 
 class OffBranch(ValueError):
-    """The candidate's kept set at a round names a position its replayed cache does not hold."""
+    """The candidate's kept set at round ``round`` names a position its replayed cache does not hold."""
+
+    def __init__(self, message: str, round: int):
+        super().__init__(message)
+        self.round = round
 
 
 def replay_layer(policy: Policy, manifest: dict, layer: int, queries: np.ndarray, keys: np.ndarray,
@@ -241,7 +245,7 @@ def _candidate_columns(positions: np.ndarray, kept: np.ndarray, count: int, r: i
         missing = [int(p) for p in want if int(p) not in column]
         if missing:
             raise OffBranch(f"head {h}: the candidate keeps position {missing[0]} after round {r}, which its own "
-                             f"cache did not hold at that round")
+                            f"cache did not hold at that round", r)
         rows.append(np.array([column[int(p)] for p in want], dtype=np.int64))
     if len({len(row) for row in rows}) == 1:
         return np.stack(rows)

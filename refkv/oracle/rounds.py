@@ -484,14 +484,13 @@ def _replayed_decisions(candidate, reference, manifest, policy, kept_c, counts_c
     everything = np.broadcast_to(np.arange(n_tokens, dtype=np.int64), (hkv, n_tokens))
     out = {}
     for l in range(n_layers):
-        r = 0
         try:
             for r, view in replay_layer(policy, manifest, l, queries[l], keys[l], values[l], kept_c[:, l],
                                         counts_c[:, l]):
                 case = view_case(policy, view, r * n_layers + l, f"round {r}, layer {l}, replayed")
                 out[r, l] = ("case", case, (everything, keys[l], values[l]))
         except OffBranch as err:
-            out[r, l] = ("problem", "kept-set difference beyond ties", str(err))
+            out[err.round, l] = ("problem", "kept-set difference beyond ties", str(err))
     return out
 
 
