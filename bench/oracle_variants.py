@@ -7,7 +7,7 @@ candidate's own state) and without them (decisions against the reference's, at t
 measured drift: the check before the own-state judge). Then the smallest score error each
 check rejects: KeyDiff's scores plus seeded noise of ``eps`` times their spread per head.
 
-    python bench/oracle_variants.py --model smollm2 --dtypes float32,bfloat16,float16
+    python bench/oracle_variants.py --model smollm2 --dtypes bfloat16,float16 --noise-dtypes bfloat16
 
 prints reStructuredText tables (``docs/oracle/tolerances.rst`` holds a run's) and, with
 ``--out FILE.json``, every outcome with the report's first lines. Needs the interop extra;
@@ -139,7 +139,7 @@ def smallest_rejected(goldens: dict, dtype: str, work: Path, state: bool) -> flo
     return None
 
 
-def run(model: str, dtypes: list[str], prompt_length: int, noise: bool) -> dict:
+def run(model: str, dtypes: list[str], prompt_length: int, noise: list[str]) -> dict:
     torch.set_num_threads(1)
     rows, thresholds = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,7 +166,7 @@ def run(model: str, dtypes: list[str], prompt_length: int, noise: bool) -> dict:
                              "report": report[:4000]})
                 print(f"{dtype} {variant.name}: {'REJECTED' if code else 'passed'} "
                       f"(before: {'REJECTED' if code_before else 'passed'})", file=sys.stderr)
-            if noise:
+            if dtype in noise:
                 thresholds[dtype] = {"after": smallest_rejected(goldens, dtype, work, True),
                                      "before": smallest_rejected(goldens, dtype, work, False)}
     return {"model": model, "rows": rows, "noise": thresholds, "prompt_length": prompt_length,
@@ -197,14 +197,16 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="smollm2", help="tiny, llama3, qwen2, qwen3 or smollm2")
     parser.add_argument("--dtypes", default="float32,bfloat16,float16")
     parser.add_argument("--prompt-length", type=int, default=128)
-    parser.add_argument("--no-noise", action="store_true", help="skip the smallest-rejected-noise search")
+    parser.add_argument("--noise-dtypes", default="bfloat16",
+                        help="dtypes of the smallest-rejected-noise search (comma-separated; empty: none)")
     parser.add_argument("--out", help="write every outcome to this JSON file")
     args = parser.parse_args(argv)
     dtypes = [d for d in args.dtypes.split(",") if d]
     for d in dtypes:
         if d not in ("float32", "bfloat16", "float16"):
             parser.error(f"--dtypes: each must be float32, bfloat16 or float16, got {d!r}")
-    result = run(args.model, dtypes, args.prompt_length, not args.no_noise)
+    noise = [d for d in args.noise_dtypes.split(",") if d]
+    result = run(args.model, dtypes, args.prompt_length, noise)
     print(tables(result))
     if args.out:
         atomic_write(args.out, json.dumps(result, indent=1, default=float).encode())

@@ -709,8 +709,15 @@ def _summary(divergences: list, manifest: dict) -> str:
     first = divergences[0]
     rounds = manifest.get("rounds") or []
     info = rounds[first.round] if first.round < len(rounds) else {}
+    budget = info.get("budget", "?")
+    try:  # the layer's own budget where the policy moves budget between layers (PyramidKV)
+        own = policy_from_manifest(manifest).layer_budget(int(budget), first.layer,
+                                                          int(manifest["model"]["config"]["n_layers"]))
+        budget = budget if own == budget else f"{own} in layer {first.layer} (N = {budget})"
+    except (KeyError, TypeError, ValueError):
+        pass
     at = (f" ({info.get('phase', '?')} step {info.get('step', '?')}, {info.get('position', '?')} tokens seen, "
-          f"budget {info.get('budget', '?')})" if info else "")
+          f"budget {budget})" if info else "")
     lines = [f"first diverged at round {first.round}{at}: {first.kind}", "  " + first.message]
     rest = divergences[1:]
     if rest:

@@ -315,3 +315,18 @@ def test_a_replayed_row_holding_another_tokens_key_fails(monkeypatch):
     cand["row_keys"][2, 3, 1, 4] = cand["row_keys"][2, 3, 1, 5]
     res = compare_schedule(cand, a, m)
     assert not res.ok and any(d.kind == "row holds the wrong key" and d.round == 2 for d in res.divergences)
+
+
+def test_the_first_divergence_names_the_layers_own_budget():
+    sched = Schedule(None, 40, 4, 40, new_tokens=0)
+    policy = policies.get("pyramidkv", beta=2)
+    m, a = run_schedule_golden(policy, sched, prompt_length=48)
+    budgets = policy.layer_budgets(40, 4)
+    assert len(set(budgets)) > 1
+    cand = {"kept": a["kept"].copy(), "kept_count": a["kept_count"], "logits": a["logits"]}
+    row = cand["kept"][0, 3, 0]
+    gone = sorted(set(range(48)) - set(row.tolist()))[0]
+    row[np.argmin(np.where(row >= 0, row, 10**6))] = gone   # keeps an evicted token for its oldest
+    res = compare_schedule(cand, a, m)
+    assert not res.ok
+    assert f"budget {budgets[3]} in layer 3 (N = 40)" in res.failure.splitlines()[0]
