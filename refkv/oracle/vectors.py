@@ -17,7 +17,7 @@ import numpy as np
 
 from ..attention import attention_weights
 from ..cache import EMPTY
-from ..policies import Policy, View
+from ..policies import Policy, View, policy_class
 from ..policies import get as get_policy
 from .io import read_json
 from .schema import VECTORS_SCHEMA, check_header, decode_array, require
@@ -165,7 +165,8 @@ class VectorCase:
             block_keys, block_values = get("block_keys", (hkv, b, d)), get("block_values", (hkv, b, d))
         queries = get("queries", (s["n_heads"], b, d))
         attention = self.inputs.get("attention")
-        if attention is None and "queries" in self.inputs and "attention" in self.policy().needs:
+        if (attention is None and "queries" in self.inputs and self.policy_name
+                and "attention" in policy_class(self.policy_name).needs):
             # A case made from a candidate's own state (refkv.oracle.ownstate) stores the queries:
             # the weights are recomputed from them, so that a perturbed query or key moves them.
             attention = attention_weights(queries, keys, self.inputs["query_positions"], positions)

@@ -36,8 +36,10 @@ def load_cases(path, *, policy: str | None = None, dtype: str | None = None, fla
         Only one-shot cases (the whole prompt one block, then one eviction) or block-mode
         cases (the case's ``mode``; files written before it existed are block mode).
     params : dict, optional
-        Only cases whose group parameters equal these, e.g. the defaults
-        ``refkv.policies.get(name).params()`` (compared in JSON form: tuples as lists).
+        Only cases whose group parameters equal these, the parameters not named taking the
+        policy's defaults (``{"all_heads": False}`` is TOVA's ``all_heads=False`` with every
+        other parameter at its default, so a parameter added later does not empty the
+        selection); ``{}`` selects the defaults (compared in JSON form: tuples as lists).
 
     Returns
     -------
@@ -63,6 +65,7 @@ def load_cases(path, *, policy: str | None = None, dtype: str | None = None, fla
         vf = read_vectors(file)
         if policy is not None and vf.policy != policy:
             continue
+        want = None if params is None else _completed(vf.policy, params)
         for case in vf.cases:
             if dtype is not None and case.dtype != dtype:
                 continue
@@ -70,7 +73,19 @@ def load_cases(path, *, policy: str | None = None, dtype: str | None = None, fla
                 continue
             if mode is not None and case_mode(case) != mode:
                 continue
-            if params is not None and case.params != params:
+            if want is not None and case.params != want:
                 continue
             out.append(case)
     return out
+
+
+def _completed(policy: str, params: dict) -> dict:
+    """``params`` with the policy's defaults for the parameters not named (JSON form); as given
+    if the policy cannot be built with them (a policy this process does not know)."""
+    from ..oracle.vectors import python_params
+    from ..policies import get
+
+    try:
+        return json_params(get(policy, **python_params(params)).params())
+    except (TypeError, ValueError):
+        return params
