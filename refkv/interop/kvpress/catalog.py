@@ -4,7 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFECTS", "GRID", "KEPT_ONLY", "PAIRS", "PRESSES", "WRAPPERS", "Cell", "Defect", "grid_rst", "presses_rst"]
+__all__ = ["DEFECTS", "GRID", "KEPT_ONLY", "OPTIONS", "PAIRS", "PRESSES", "WRAPPERS", "Cell", "Defect", "grid_rst",
+           "presses_rst"]
+
+#: Scorer press -> (its refkv policy, {policy option: the press's field} the adapter sets to the
+#: golden's, {policy option: the value the press computes with} it cannot set). Read from the
+#: dataclass fields and ``score`` methods of kvpress 0.5.5's presses; a golden stating another value
+#: of a fixed option is skipped (:func:`refkv.interop.kvpress.fit_press`). ``PyramidKVPress``
+#: (pyramidkv over snapkv) and ``AdaKVPress`` (adakv) are wrappers with options of their own.
+OPTIONS = {
+    "KeyDiffPress": ("keydiff", {}, {"anchor": "unit_mean", "metric": "cosine", "reserve": 0.0}),
+    "KnormPress": ("knorm", {}, {"skip_layers": []}),
+    "StreamingLLMPress": ("sink", {"sink": "n_sink"}, {}),
+    "SnapKVPress": ("snapkv", {"window": "window_size", "kernel": "kernel_size"}, {"pooling": "avg"}),
+    "TOVAPress": ("tova", {}, {"all_heads": True}),
+    "ObservedAttentionPress": ("h2o", {}, {"recent": 0}),
+    "ExpectedAttentionPress": ("expected_attention", {name: name for name in (
+        "n_future_positions", "n_sink", "use_covariance", "use_vnorm", "epsilon")}, {}),
+}
 
 #: Scorer press -> (refkv policy, its options that match the press, the press's parameters).
 PAIRS = {
