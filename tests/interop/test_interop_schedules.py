@@ -104,7 +104,9 @@ assert sorted(values.flatten().tolist()) == [0.0, 1.0, 10.0, 11.0], values.flatt
 """
 STREAMING_DEFECT = ("StreamingLLMPress keeps the first n_sink and last rows of the cache, but ScorerPress.compress "
                     "leaves rows in topk order, so from the second compression on (DecodingPress, "
-                    "PrefillDecodingPress) the sink tokens are evicted and older tokens kept in place of recent ones")
+                    "PrefillDecodingPress) it keeps whichever tokens topk left in those rows: recent-window tokens "
+                    "are evicted and older ones kept instead, and the sink tokens where topk moved them out of the "
+                    "first rows")
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"kvpress 0.5.5 defect: {STREAMING_DEFECT}")
@@ -161,7 +163,8 @@ def test_block_press_is_one_shot_for_independent_scores_only(prefill_goldens, tm
 
 # -- the seven scorers under the three decoding wrappers ------------------------------------------------------
 _ROUND0 = "first diverged at round 0 (decode step 4, 28 tokens seen, budget {}): {}".format
-_STREAMING = ("kvpress defect (sink tokens evicted from the second round)",
+_STREAMING = ("kvpress defect (rows in score order from the second round: recent-window tokens evicted, sink "
+              "tokens too where topk moved them)",
               "first diverged at round 1 (decode step {}, {} tokens seen, budget 16): protected position evicted")
 _TOVA = "differs by design (the current query over all heads: tova all_heads=True; the current token always kept)"
 _OBSERVED = "kvpress defect (one query's weights divided by n - j; H2O accumulates)"
