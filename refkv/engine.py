@@ -429,7 +429,8 @@ def layer_step(policy: Policy, cache: LayerCache, q: np.ndarray, k: np.ndarray, 
         What the views report.
     budget : int or None
         ``N``; ``None`` never evicts. The layer's own budget is
-        ``policy.layer_budget(N, layer, n_layers)`` (what the views report as ``budget``).
+        ``policy.layer_budget(N, layer, n_layers, tokens=...)`` for the tokens the layer holds once
+        the block is in (what the views report as ``budget``).
     evict : callable
         ``evict(view, keep, stage)`` must shrink ``cache`` to the ``keep`` tokens per head the
         policy chooses from ``view`` (``view.budget`` is ``N``; see :func:`decision_view`);
@@ -451,8 +452,8 @@ def layer_step(policy: Policy, cache: LayerCache, q: np.ndarray, k: np.ndarray, 
         raise ValueError(f"attention must be 'matrix' or 'needed', got {attention!r}")
     b = q.shape[1]
     query_positions = np.arange(cache.next_position, cache.next_position + b, dtype=np.int64)  # (B,)
-    if budget is not None:
-        budget = policy.layer_budget(budget, layer, n_layers)
+    if budget is not None:  # the layer's own budget, for the tokens it holds once the block is in
+        budget = policy.layer_budget(budget, layer, n_layers, tokens=len(cache) + b)
     hkv = cache.n_kv_heads
 
     # cache.total > budget * hkv: the layer's heads together hold more than their budget

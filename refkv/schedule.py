@@ -124,9 +124,12 @@ class Schedule:
         return cls(**fields)
 
     def describe(self) -> str:
-        """One line: ``"one-shot prefill to N=16, then every 4 tokens down to N=16 (12 tokens)"``."""
+        """One line: ``"one-shot prefill to N=16, then every 4 tokens down to N=16 (12 tokens)"``, or
+        ``"one-shot prefill to N=16, prefill only (no decoding rounds)"`` without new tokens."""
         pre = "one-shot prefill" if self.block_size is None else f"prefill in blocks of {self.block_size}"
         pre += f" to N={self.prefill_budget}" if self.prefill_budget is not None else " (not compressed)"
+        if self.new_tokens == 0:
+            return f"{pre}, prefill only (no decoding rounds)"
         to = f"N={self.budget}" if self.rule == "interval" else f"max(1, int(seen * (1 - {self.ratio:g})))"
         every = "every token" if self.interval == 1 else f"every {self.interval} tokens"
         return f"{pre}, then {every} down to {to} ({self.new_tokens} tokens)"

@@ -21,6 +21,7 @@ from .declare import Declarations
 from .io import read_json
 from .kinds import KINDS, LISTED, GoldenKind, family, kind_for, kind_of_document
 from .report import FileReport, SuiteReport
+from .specs import manifest_spec, spec_label, spec_matches, spec_name
 from .status import Status
 from .suiteindex import read_suite
 from .tolerance import check_dtype_name
@@ -51,7 +52,11 @@ def check_file(candidate_path, reference_path, kind: str, **options) -> FileRepo
 
 
 def discover_files(directory) -> list[dict]:
-    """Index entries (``path``, ``kind``, ``policy``, ``dtype``) of the golden files in a folder without suite.json."""
+    """Index entries (``path``, ``kind``, ``policy``, ``dtype``) of the golden files in a folder without suite.json.
+
+    ``policy`` is an end-to-end golden's policy with its options (its canonical spec,
+    :func:`~refkv.oracle.specs.manifest_spec`), a vectors file's policy name.
+    """
     directory = Path(directory)
     entries = []
     for path in sorted(p for p in directory.rglob("*.json") if p.name != "suite.json"):
@@ -60,6 +65,8 @@ def discover_files(directory) -> list[dict]:
         if kind is None:
             continue
         policy = kind.policy_of(doc)
+        if isinstance(policy, str) and isinstance(doc.get("policy"), dict):
+            policy = manifest_spec(doc["policy"])
         entry = {"path": path.relative_to(directory).as_posix(), "kind": kind.listed_as,
                  "policy": "?" if policy is None else policy}
         if kind.dtype_of is not None:
@@ -96,7 +103,9 @@ def check_suite(candidate_dir, reference_dir, *, policies: Sequence[str] | None 
     ----------
     candidate_dir, reference_dir : path-like
     policies, kinds : optional
-        Only these policies / kinds of file (``"vectors"``, ``"e2e"``).
+        Only these policies / kinds of file (``"vectors"``, ``"e2e"``). A policy is a
+        canonical spec (:func:`~refkv.oracle.specs.golden_spec`): a bare name selects the
+        policy's goldens whatever their options, a spec with options only those.
     allow_missing : bool
         Skip reference files the candidate lacks (otherwise each is a failure). If nothing
         is compared at all, the report fails.
@@ -139,7 +148,7 @@ def check_suite(candidate_dir, reference_dir, *, policies: Sequence[str] | None 
         known = sorted({e["policy"] for e in entries})
         report.notes.append("the reference has no suite.json: its files were found by their schema and are not "
                             "checksummed")
-    unknown = sorted(set(policies or ()) - set(known))
+    unknown = sorted(p for p in policies or () if not any(spec_matches(p, k) for k in known))
     if unknown:
         raise ValueError(f"the reference has no policy {', '.join(map(repr, unknown))}; it has: {', '.join(known)}")
     if chosen is not None:
@@ -150,8 +159,9 @@ def check_suite(candidate_dir, reference_dir, *, policies: Sequence[str] | None 
         report.notes.append(f"tolerance factor {factor:g}: every tolerance multiplied (explicit override)")
     found: dict = {}  # listed kind -> the candidate's files found anywhere, by policy
     per_kind = {"case_dtype": chosen, "default_params_only": default_params_only, "final_only": final_only}
+    compared_policies: dict[str, None] = {}
     for entry in entries:
-        if entry["kind"] not in kinds or (policies and entry["policy"] not in policies):
+        if entry["kind"] not in kinds or (policies and not any(spec_matches(p, entry["policy"]) for p in policies)):
             continue
         listed = family(entry["kind"])[0]  # what every kind listed alike shares
         if chosen is not None and listed.dtype_of is not None and entry.get("dtype", chosen) != chosen:
@@ -161,19 +171,45 @@ def check_suite(candidate_dir, reference_dir, *, policies: Sequence[str] | None 
         if not cand.exists() and not cand.is_symlink() and listed.found_anywhere:
             if entry["kind"] not in found:
                 found[entry["kind"]] = _candidate_files(candidate_dir, listed)
-            cand = found[entry["kind"]].get(entry["policy"], cand)
+            cand = found[entry["kind"]].get(spec_name(entry["policy"]), cand)
+        label = _policy_label(entry, reference_dir / rel)
         if not cand.exists() and not cand.is_symlink():
             if not allow_missing:
-                report.files.append(FileReport(rel, entry["kind"], Status.MISSING, "the candidate has no such file"))
+                report.files.append(FileReport(rel, entry["kind"], Status.MISSING, "the candidate has no such file",
+                                               policy=label))
             continue
+        compared_policies[label] = None
         options = {"tolerance_factor": factor, "strict_ties": strict_ties, "check_dtype": check_dtype, "rel": rel,
                    "dtype": name, "declare": declare, "source": source}
         try:
             kind = kind_for(entry["kind"], reference_dir / rel)
             options.update((key, per_kind[key]) for key in kind.options)
-            report.files.append(kind.check(cand, reference_dir / rel, **options))
+            file_report = kind.check(cand, reference_dir / rel, **options)
         except ValueError as err:  # a malformed or refused candidate file is a failure of that file
             why = "refused" if isinstance(err, CandidateError) else "unreadable"
-            report.files.append(FileReport(rel, entry["kind"], Status.FAIL, failures=[f"{why}: {err}"]))
+            file_report = FileReport(rel, entry["kind"], Status.FAIL, failures=[f"{why}: {err}"])
+        file_report.policy = label
+        report.files.append(file_report)
+    if compared_policies:
+        report.notes.append(f"policies: {', '.join(compared_policies)}")
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _policy_label(entry: dict, reference) -> str:
+    """The golden's policy with its options, for the report: from its end-to-end manifest
+    (the options it was made with), else from the index entry (a vectors file: its spec)."""
+    policy = entry.get("policy")
+    if family(entry["kind"])[0].npz:
+        try:
+            doc = read_json(reference)
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict) and isinstance(doc.get("policy"), dict):
+            policy = manifest_spec(doc["policy"])
+    if not isinstance(policy, str):
+        return "?"
+    try:
+        return spec_label(policy)
+    except ValueError:  # not a spec refkv can read: shown as it is
+        return policy

@@ -10,10 +10,13 @@ __all__ = ["add_golden_command"]
 
 
 def _names(values: list[str] | None) -> list[str] | None:
-    """``--policies a b`` or ``--policies a,b``."""
-    if not values:
+    """``--policies a b`` or ``--policies a,b``, options included: ``--policies "adakv(base=keydiff,form=kvpress)"``
+    (read by the one spec parser, :func:`refkv.policies.spec.parse_spec_list`); canonical specs."""
+    if values is None:
         return None
-    return [n for v in values for n in v.split(",") if n]
+    from .specs import golden_specs
+
+    return golden_specs(values)
 
 
 def add_golden_command(sub) -> None:
@@ -25,7 +28,10 @@ def add_golden_command(sub) -> None:
 
     g = gsub.add_parser("generate", help="write a golden suite (every policy refkv defines, by default)")
     g.add_argument("--out", required=True, help="directory to write (created if needed)")
-    g.add_argument("--policies", nargs="+", metavar="NAME", help="only these policies (names or a,b,c)")
+    g.add_argument("--policies", nargs="+", metavar="SPEC",
+                   help="only these policies (names or a,b,c), options included: 'adakv(base=keydiff,form=kvpress)' "
+                        "or adakv:base=keydiff,form=kvpress (goldens of one policy with other options get other "
+                        "file names)")
     g.add_argument("--quiet", action="store_true", help="no progress lines")
     s = g.add_argument_group("schedule goldens for one model and schedule (any of these options: only those "
                              "goldens are written, into a folder without suite.json)")
@@ -48,7 +54,9 @@ def add_golden_command(sub) -> None:
     c = gsub.add_parser("check", help="compare a candidate directory with a golden suite; exit 1 on failure")
     c.add_argument("candidate", help="directory with the candidate's files, laid out like the suite")
     c.add_argument("--against", required=True, help="the golden suite directory")
-    c.add_argument("--policies", nargs="+", metavar="NAME", help="only these policies")
+    c.add_argument("--policies", nargs="+", metavar="SPEC",
+                   help="only these policies: a name selects its goldens whatever their options, a spec with "
+                        "options ('adakv(base=keydiff,form=kvpress)') only those")
     c.add_argument("--kind", choices=("all", "vectors", "e2e"), default="all", help="which files to check")
     c.add_argument("--allow-missing", action="store_true", help="skip suite files the candidate lacks")
     c.add_argument("--dtype", metavar="D",

@@ -7,6 +7,11 @@ Layout of a suite directory::
     e2e/<policy>/N<N>-B<B>-<dtype>.json end-to-end manifest ...
     e2e/<policy>/N<N>-B<B>-<dtype>.npz  ... and its arrays
 
+``<policy>`` is the policy's name, or for a policy with options (``--policies
+"adakv(base=keydiff,form=kvpress)"``) its tag, ``adakv+base-keydiff+form-kvpress``
+(:func:`refkv.oracle.specs.spec_tag`): goldens of one policy with different options never
+share a file.
+
 What a suite holds is declared in :mod:`refkv.oracle.recipes` and built per policy by
 :mod:`refkv.oracle.goldens`. Generating into a folder that holds a suite **merges**: the
 named policies' files are added or replaced, the others' are left untouched. The update is
@@ -23,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import policies as policy_registry
 from ..files import OutputFolder
 from ..model import load
 from ..model.loading import peek_context
+from ..policies.spec import make_policy
 from ..validation import check_lengths
 from .endtoend import end_to_end_files, write_end_to_end
 from .goldens import policy_end_to_end, policy_schedules, policy_vectors
@@ -37,10 +42,11 @@ from .recipes import DECODE_SEED, E2E_MODELS, MODEL_SEED, PROMPT_SEED, library_p
 from .recorder import run_schedule_golden
 from .regenerate import REGENERATION_BOUND
 from .schema import SUITE_SCHEMA, header
+from .specs import golden_specs, spec_name, spec_tag
 from .staging import commit, recover, safe_path
 from .suiteindex import existing_index
 
-__all__ = ["generate_schedules", "generate_suite", "load_golden_model"]
+__all__ = ["generate_schedules", "generate_suite", "load_golden_model", "schedule_label"]
 
 
 def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> dict:
@@ -53,8 +59,12 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
         replaced and every other policy's files are left untouched (their checksums must
         hold).
     policies : list of str, optional
-        Default: :func:`~refkv.oracle.recipes.library_policies`, every policy refkv itself registers. An empty
-        list, an unknown name or a name given twice is a ValueError.
+        Policy specs, options included (``"adakv(base=keydiff,form=kvpress)"``, one spec
+        parser: :mod:`refkv.policies.spec`); the suite lists each by its canonical spec
+        (:func:`~refkv.oracle.specs.golden_spec`). Default:
+        :func:`~refkv.oracle.recipes.library_policies`, every policy refkv itself registers at
+        its defaults. An empty list, an unknown name or option, or a spec given twice is a
+        ValueError.
     progress : callable, optional
         Called with a line of text per policy.
 
@@ -84,7 +94,7 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
     recover(out)
     old = existing_index(out, set(names))
     for name in names:  # every new file's folder stays inside out (a symlinked e2e/<policy> is refused now)
-        for rel in dict.fromkeys(kind.path(name) for kind in KINDS):
+        for rel in dict.fromkeys(kind.path(spec_tag(name)) for kind in KINDS):
             safe_path(out, rel, f"generating {name} into {out}")
 
     files: dict[str, bytes] = {}
@@ -94,7 +104,7 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
         skipped += skips
         if doc is not None:
             kind = BY_NAME["vectors"]
-            rel = kind.path(name)
+            rel = kind.path(spec_tag(name))
             files[rel] = dumps(doc).encode("utf-8")
             entries.append({"path": rel, "kind": kind.listed_as, "policy": name, "sha256": sha256(files[rel]),
                             "cases": doc["number_of_cases"]})
@@ -105,7 +115,7 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
             skipped += skips
             n_runs += len(runs)
             for label, manifest, arrays in runs:
-                rel = kind.path(name, label)
+                rel = kind.path(spec_tag(name), label)
                 manifest, text, data = end_to_end_files(label, manifest, arrays)
                 files[rel], files[rel[:-len(".json")] + ".npz"] = text, data
                 entries.append({"path": rel, "kind": kind.listed_as, "policy": name, "mode": manifest["mode"],
@@ -122,7 +132,7 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
         kept_skips = [s for s in old.get("skipped", []) if isinstance(s, dict) and s.get("policy") not in names]
     all_names = kept_policies + names
     order = {n: i for i, n in enumerate(library_policies())}
-    all_names.sort(key=lambda n: (order.get(n, len(order)), n))
+    all_names.sort(key=lambda n: (order.get(spec_name(n), len(order)), n))
     rank = {n: i for i, n in enumerate(all_names)}
     index = {
         **header(SUITE_SCHEMA),
@@ -159,12 +169,38 @@ def load_golden_model(name: str, dtype: str):
     return load(name, dtype=np.dtype(dtype))
 
 
+def schedule_label(model: str, schedule, prompt_length: int, dtype: str) -> str:
+    """The file name (without ``.json``) of a schedule golden of ``generate_schedules``.
+
+    Every setting that tells two such goldens apart is in it: the model, the prompt's length
+    ``T``, the prefill (``oneshot`` or blocks ``B<B>``, and ``P<N0>`` when it is compressed),
+    then the decoding rounds -- interval ``K``, budget ``N`` or ``ratio<R>``, ``D`` new
+    tokens -- or ``prefill-only`` for a golden without decoding::
+
+        tiny-sched-T24-oneshot-K16-N8-D48-float64
+        tiny-sched-T4096-oneshot-P3072-prefill-only-float32
+    """
+    tag = re.sub(r"[^A-Za-z0-9_.+-]", "_", Path(model).name if model not in MODELS else model)
+    prefill = "oneshot" if schedule.block_size is None else f"B{schedule.block_size}"
+    if schedule.prefill_budget is not None:
+        prefill += f"-P{schedule.prefill_budget}"
+    if schedule.new_tokens == 0:
+        rounds = "prefill-only"
+    else:
+        rule = f"N{schedule.budget}" if schedule.rule == "interval" else f"ratio{schedule.ratio:g}"
+        rounds = f"K{schedule.interval}-{rule}-D{schedule.new_tokens}"
+    return f"{tag}-sched-T{prompt_length}-{prefill}-{rounds}-{dtype}"
+
+
 def generate_schedules(out, policies: list[str] | None, schedule, *, model: str = "tiny", prompt_length: int = 128,
                        dtype: str | None = None, progress=None) -> dict:
     """Schedule goldens of ``policies`` (default: every library policy) for one model and schedule.
 
-    Written as ``out/e2e/<policy>/<model>-<label>-<dtype>.json`` (+ ``.npz``) in a folder of
-    golden files without ``suite.json`` (``refkv golden check`` finds them by their schema).
+    Written as ``out/e2e/<policy>/<label>.json`` (+ ``.npz``) in a folder of golden files
+    without ``suite.json`` (``refkv golden check`` finds them by their schema); ``<policy>``
+    is the policy's name or, with options, its tag (:func:`~refkv.oracle.specs.spec_tag`),
+    ``<label>`` :func:`schedule_label` (model, prompt length, prefill, rounds, new tokens,
+    dtype), so goldens of other settings never replace each other.
     A real checkpoint defaults to float32 (the reduced set: one precision, one schedule).
     A policy that refuses the schedule is skipped and listed. Returns ``{"written", "skipped"}``.
     """
@@ -183,24 +219,19 @@ def generate_schedules(out, policies: list[str] | None, schedule, *, model: str 
     built = load_golden_model(model, dtype)
     # ... and against the context of the model read (a GGUF file's is in its header only)
     check_lengths(lengths, built.config.max_positions, model=str(model), within=within)
-    tag = re.sub(r"[^A-Za-z0-9_.+-]", "_", Path(model).name if model not in MODELS else model)
-    sched = schedule
-    prefill = "oneshot" if sched.block_size is None else f"B{sched.block_size}"
-    rule = f"N{sched.budget}" if sched.rule == "interval" else f"ratio{sched.ratio:g}"
-    label = (f"{tag}-sched-{prefill}{'' if sched.prefill_budget is None else sched.prefill_budget}"
-             f"-K{sched.interval}-{rule}-{dtype}")
+    label = schedule_label(model, schedule, prompt_length, dtype)
     folder = OutputFolder(out, what="--out", inputs=[] if model in MODELS else [model])
     mine = {"model": model, "model_seed": MODEL_SEED, "dtype": dtype, "prompt_length": prompt_length,
-            "prompt_seed": PROMPT_SEED, "new_tokens": sched.new_tokens, "decode_seed": DECODE_SEED,
-            "schedule": json.loads(json.dumps(sched.to_dict()))}
+            "prompt_seed": PROMPT_SEED, "new_tokens": schedule.new_tokens, "decode_seed": DECODE_SEED,
+            "schedule": json.loads(json.dumps(schedule.to_dict()))}
     for name in names:  # every target checked before any model runs or any file is written
-        rel = f"e2e/{name}/{label}.json"
+        rel = f"e2e/{spec_tag(name)}/{label}.json"
         folder.check_replaceable(rel[:-len(".json")] + ".npz")  # no symlink below --out, the npz included
         folder.refuse_other_settings(rel, mine, _schedule_settings(folder.path(rel)), what="schedule golden")
     written, skipped = [], []
     for name in names:
         try:
-            manifest, arrays = run_schedule_golden(policy_registry.get(name), sched, dtype=dtype,
+            manifest, arrays = run_schedule_golden(make_policy(name), schedule, dtype=dtype,
                                                    prompt_length=prompt_length, model_seed=MODEL_SEED,
                                                    prompt_seed=PROMPT_SEED, decode_seed=DECODE_SEED, model=model,
                                                    built=None if model in MODELS else built)
@@ -209,8 +240,9 @@ def generate_schedules(out, policies: list[str] | None, schedule, *, model: str 
             if progress is not None:
                 progress(f"{name}: skipped: {err}")
             continue
-        path = folder.path(f"e2e/{name}/{label}.json")
-        write_end_to_end(folder / f"e2e/{name}/{label}.json", manifest, arrays)
+        rel = f"e2e/{spec_tag(name)}/{label}.json"
+        path = folder.path(rel)
+        write_end_to_end(folder / rel, manifest, arrays)
         written.append(str(path))
         if progress is not None:
             progress(f"{name}: {path} ({manifest['n_rounds']} rounds)")
@@ -238,19 +270,7 @@ def _schedule_settings(path: Path) -> dict | None:
 
 
 def _policy_names(policies) -> list[str]:
+    """Canonical specs of ``policies`` (:func:`~refkv.oracle.specs.golden_specs`); None: every library policy."""
     if policies is None:
         return library_policies()
-    if isinstance(policies, str):
-        raise ValueError(f"policies must be a list of policy names, got the string {policies!r}")
-    names = list(policies)
-    if not names:
-        raise ValueError("policies must name at least one policy, got none (leave it out for every policy)")
-    for name in names:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"policies must be non-empty policy names, got {name!r}")
-        policy_registry.policy_class(name)  # ValueError naming the unknown policy
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ValueError(f"policies lists {', '.join(map(repr, twice))} more than once")
-    return names
-
+    return golden_specs(policies)

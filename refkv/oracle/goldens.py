@@ -15,6 +15,7 @@ import numpy as np
 from .. import policies as policy_registry
 from ..engine import Engine
 from ..policies import Policy
+from ..policies.spec import make_policy, parse_spec
 from .encode import encode_case, vectors_document
 from .io import dumps
 from .models import build_model, prompt_tokens
@@ -137,17 +138,22 @@ def _engine_case(policy: Policy, budget: int, dtype: str, layer: int, block: int
                        mode="block" if block is not None else "oneshot")
 
 
-def policy_vectors(name: str, *, seed: int = 0) -> tuple[dict | None, list[dict]]:
-    """The vectors document of policy ``name`` and the list of skipped cases."""
+def policy_vectors(spec: str, *, seed: int = 0) -> tuple[dict | None, list[dict]]:
+    """The vectors document of policy ``spec`` and the list of skipped cases.
+
+    A bare name gets its defaults and its variants (:data:`~refkv.oracle.recipes.VARIANTS`); a
+    spec with options (``adakv:base=keydiff,form=kvpress``) those options alone.
+    """
+    name, options = parse_spec(spec)
     skipped: list[dict] = []
     groups = []
-    param_sets = [{}] + [dict(v) for v in VARIANTS.get(name, [])]
+    param_sets = [options] if options else [{}] + [dict(v) for v in VARIANTS.get(name, [])]
     case_id = 0
     for set_index, params in enumerate(param_sets):
         try:
             policy = policy_registry.get(name, **params)
         except (ValueError, TypeError) as err:
-            skipped.append({"policy": name, "what": f"vectors with params {json_params(params)}", "reason": str(err)})
+            skipped.append({"policy": spec, "what": f"vectors with params {json_params(params)}", "reason": str(err)})
             continue
         rng = np.random.default_rng([seed, set_index])
         budget = _smallest_budget(policy, RECIPES[0])
@@ -176,11 +182,11 @@ def policy_vectors(name: str, *, seed: int = 0) -> tuple[dict | None, list[dict]
                 b = budget
             if mode == "oneshot" and policy.evict_before_attention:
                 if not any(s["what"] == f"vectors {json_params(params)}: oneshot" for s in skipped):
-                    skipped.append({"policy": name, "what": f"vectors {json_params(params)}: oneshot",
+                    skipped.append({"policy": spec, "what": f"vectors {json_params(params)}: oneshot",
                                     "reason": NO_ONESHOT})
                 continue
             if count[mode] >= MIN_CASES[mode] and size[mode] > MAX_VECTOR_BYTES[mode]:
-                skipped.append({"policy": name, "what": what, "reason": f"the {mode} cases reached their size "
+                skipped.append({"policy": spec, "what": what, "reason": f"the {mode} cases reached their size "
                                 f"budget of {MAX_VECTOR_BYTES[mode]} bytes"})
                 continue
             try:
@@ -191,7 +197,7 @@ def policy_vectors(name: str, *, seed: int = 0) -> tuple[dict | None, list[dict]
                 else:
                     case = _engine_case(policy, b, job[0], job[1], job[2], case_id + 1)
             except ValueError as err:
-                skipped.append({"policy": name, "what": what, "reason": str(err)})
+                skipped.append({"policy": spec, "what": what, "reason": str(err)})
                 continue
             cases.append(case)
             case_id += 1
@@ -205,8 +211,8 @@ def policy_vectors(name: str, *, seed: int = 0) -> tuple[dict | None, list[dict]
 
 
 # -- end to end -----------------------------------------------------------------------------------
-def policy_end_to_end(name: str, model: str = "tiny") -> tuple[list[tuple[str, dict, dict]], list[dict]]:
-    """``[(label, manifest, arrays)]`` of policy ``name`` (default parameters) and the skips.
+def policy_end_to_end(spec: str, model: str = "tiny") -> tuple[list[tuple[str, dict, dict]], list[dict]]:
+    """``[(label, manifest, arrays)]`` of policy ``spec`` (a name: default parameters) and the skips.
 
     Block mode: every setting of :data:`~refkv.oracle.recipes.E2E_SETTINGS` the policy accepts, in float64, the
     first of them in float32 too. One-shot: the first of :data:`~refkv.oracle.recipes.ONESHOT_SETTINGS` the policy
@@ -215,16 +221,17 @@ def policy_end_to_end(name: str, model: str = "tiny") -> tuple[list[tuple[str, d
     setting it accepts, in float32.
     """
     out, skipped = [], []
+    name = parse_spec(spec)[0]
 
     def attempt(setting: Setting, dtype: str) -> bool:
         what = f"e2e {setting.label(dtype, model)}"
         try:
-            manifest, arrays = run_end_to_end(policy_registry.get(name), budget=setting.budget,
+            manifest, arrays = run_end_to_end(make_policy(spec), budget=setting.budget,
                                               block_size=setting.block_size, dtype=dtype,
                                               prompt_length=setting.prompt_length, model_seed=MODEL_SEED,
                                               prompt_seed=PROMPT_SEED, model=model)
         except ValueError as err:
-            skipped.append({"policy": name, "what": what, "reason": str(err)})
+            skipped.append({"policy": spec, "what": what, "reason": str(err)})
             return False
         out.append((setting.label(dtype, model), manifest, arrays))
         return True
@@ -232,7 +239,7 @@ def policy_end_to_end(name: str, model: str = "tiny") -> tuple[list[tuple[str, d
     if model != FULL_E2E_MODEL:
         block = next((s for s in (*E2E_SETTINGS, E2E_FALLBACK, E2E_UNBOUNDED) if attempt(s, "float32")), None)
         if policy_registry.policy_class(name).evict_before_attention:
-            skipped.append({"policy": name, "what": f"e2e one-shot ({model})", "reason": NO_ONESHOT})
+            skipped.append({"policy": spec, "what": f"e2e one-shot ({model})", "reason": NO_ONESHOT})
         elif not next((s for s in ONESHOT_SETTINGS if attempt(s, "float32")), None) and block == E2E_UNBOUNDED:
             attempt(E2E_UNBOUNDED_ONESHOT, "float32")
         return out, skipped
@@ -244,7 +251,7 @@ def policy_end_to_end(name: str, model: str = "tiny") -> tuple[list[tuple[str, d
     if ran:
         attempt(ran[0], "float32")
     if policy_registry.policy_class(name).evict_before_attention:
-        skipped.append({"policy": name, "what": f"e2e one-shot ({model})", "reason": NO_ONESHOT})
+        skipped.append({"policy": spec, "what": f"e2e one-shot ({model})", "reason": NO_ONESHOT})
         return out, skipped
     oneshot = next((s for s in ONESHOT_SETTINGS if attempt(s, "float64")), None)
     if oneshot is None and ran == [E2E_UNBOUNDED] and attempt(E2E_UNBOUNDED_ONESHOT, "float64"):
@@ -255,10 +262,10 @@ def policy_end_to_end(name: str, model: str = "tiny") -> tuple[list[tuple[str, d
 
 
 
-def policy_schedules(name: str) -> tuple[list[tuple[str, dict, dict]], list[dict]]:
-    """``[(label, manifest, arrays)]`` of policy ``name``'s schedule goldens (tiny model) and the skips."""
+def policy_schedules(spec: str) -> tuple[list[tuple[str, dict, dict]], list[dict]]:
+    """``[(label, manifest, arrays)]`` of policy ``spec``'s schedule goldens (tiny model) and the skips."""
     out, skipped = [], []
-    policy = policy_registry.get(name)
+    policy = make_policy(spec)
     cfg = build_model("tiny", MODEL_SEED, "float64").config
     for settings in SCHEDULE_SETTINGS:
         try:
@@ -270,7 +277,7 @@ def policy_schedules(name: str) -> tuple[list[tuple[str, dict, dict]], list[dict
             continue
         break
     else:
-        skipped.append({"policy": name, "what": "schedule goldens", "reason": reason})
+        skipped.append({"policy": spec, "what": "schedule goldens", "reason": reason})
         return out, skipped
     ran_oneshot_budget = False
     for i, setting in enumerate(settings):
@@ -279,11 +286,11 @@ def policy_schedules(name: str) -> tuple[list[tuple[str, dict, dict]], list[dict
         for dtype in setting.dtypes:
             label = f"{setting.label}-{dtype}"
             try:
-                manifest, arrays = run_schedule_golden(policy_registry.get(name), setting.schedule, dtype=dtype,
+                manifest, arrays = run_schedule_golden(make_policy(spec), setting.schedule, dtype=dtype,
                                                        prompt_length=setting.prompt_length, model_seed=MODEL_SEED,
                                                        prompt_seed=PROMPT_SEED, decode_seed=DECODE_SEED)
             except ValueError as err:
-                skipped.append({"policy": name, "what": f"e2e {label}", "reason": str(err)})
+                skipped.append({"policy": spec, "what": f"e2e {label}", "reason": str(err)})
                 break
             out.append((label, manifest, arrays))
             ran_oneshot_budget |= i == 2

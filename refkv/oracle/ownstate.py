@@ -134,7 +134,8 @@ def round_case(policy: Policy, manifest: dict, r: int, layer: int, positions: np
               "query_positions": np.arange(first + count - w, first + count, dtype=np.int64)}
     if w:
         inputs["queries"] = np.asarray(queries, dtype=np.float64)[:, -w:]                # (H, W, d)
-    budget = policy.layer_budget(int(manifest["rounds"][r]["budget"]), layer, n_layers)
+    # the layer's budget as the engine gives it (kvpress's PyramidKV caps it at the tokens held)
+    budget = policy.layer_budget(int(manifest["rounds"][r]["budget"]), layer, n_layers, tokens=width)
     case = VectorCase(id=r * n_layers + layer, comment=f"round {r}, layer {layer} on the candidate's own state",
                       flags=("own state",), params=json_params(policy.params()), dtype="float64",
                       stage="after-attention", layer=layer, n_layers=n_layers, budget=budget,

@@ -16,7 +16,9 @@ class FileReport:
     ``status`` is a :class:`~refkv.oracle.status.Status` (``OK``, ``TIE``, ``FAIL`` or
     ``MISSING``); ``notes`` say how the file was compared (dtype, declarations, the
     end-to-end form, warnings); ``compared`` counts the vector cases or end-to-end
-    decisions compared (None: not counted).
+    decisions compared (None: not counted); ``policy`` is the golden's policy with its
+    options (``"adakv(base=keydiff, form=kvpress)"``, :func:`refkv.oracle.specs.spec_label`),
+    printed after the path.
     """
 
     path: str
@@ -27,6 +29,7 @@ class FileReport:
     ties: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     compared: int | None = None
+    policy: str = ""
 
     def __post_init__(self):
         self.status = Status(self.status)
@@ -64,11 +67,12 @@ class SuiteReport:
         lines += ["  " + n for n in self.notes]
         for f in self.files:
             quiet = f.status is Status.OK and not verbose
+            where = f.path + (f" [{f.policy}]" if f.policy else "")
             if not quiet:
-                lines.append(f"{f.status.tag} {f.path}" + (f": {f.summary}" if f.summary else ""))
+                lines.append(f"{f.status.tag} {where}" + (f": {f.summary}" if f.summary else ""))
             for note in f.notes:
                 if not quiet or note.startswith(("declared", "overridden", "warning")):
-                    lines.append(("     " if not quiet else f"ok   {f.path}: ") + note)
+                    lines.append(("     " if not quiet else f"ok   {where}: ") + note)
             for msg in f.failures:
                 lines.append("     " + msg.replace("\n", "\n     "))
             for t in f.ties[:5 if not verbose else None]:

@@ -711,8 +711,9 @@ def _summary(divergences: list, manifest: dict) -> str:
     info = rounds[first.round] if first.round < len(rounds) else {}
     budget = info.get("budget", "?")
     try:  # the layer's own budget where the policy moves budget between layers (PyramidKV)
+        tokens = int(info["position"]) if info.get("phase") == "prefill" and info.get("step") == 0 else None
         own = policy_from_manifest(manifest).layer_budget(int(budget), first.layer,
-                                                          int(manifest["model"]["config"]["n_layers"]))
+                                                          int(manifest["model"]["config"]["n_layers"]), tokens=tokens)
         budget = budget if own == budget else f"{own} in layer {first.layer} (N = {budget})"
     except (KeyError, TypeError, ValueError):
         pass

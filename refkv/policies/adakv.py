@@ -259,8 +259,8 @@ class AdaKV(Policy):
     def check(self, budget: int, config: ModelConfig) -> None:
         self._base.check(budget, config)
 
-    def layer_budget(self, budget: int, layer: int, n_layers: int) -> int:
-        return self._base.layer_budget(budget, layer, n_layers)
+    def layer_budget(self, budget: int, layer: int, n_layers: int, tokens: int | None = None) -> int:
+        return self._base.layer_budget(budget, layer, n_layers, tokens)
 
     def fields(self, config: ModelConfig) -> dict[str, FieldSpec]:
         return self._base.fields(config)

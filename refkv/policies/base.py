@@ -311,9 +311,11 @@ class Policy:
         """(Hkv, n) bool mask of tokens that must stay (default: none)."""
         return np.zeros(view.positions.shape, dtype=bool)
 
-    def layer_budget(self, budget: int, layer: int, n_layers: int) -> int:
+    def layer_budget(self, budget: int, layer: int, n_layers: int, tokens: int | None = None) -> int:
         """Tokens per KV head that layer ``layer`` (of ``n_layers``) may hold under the engine's
-        budget ``N`` (default: ``N``). The layers' budgets must sum to ``N * n_layers``."""
+        budget ``N`` (default: ``N``). The layers' budgets must sum to ``N * n_layers``.
+        ``tokens``: how many tokens the layer holds when it compresses (None: not known, a
+        prompt long enough not to matter); only kvpress's PyramidKV form reads it."""
         return budget
 
     def head_budgets(self, view: View) -> np.ndarray:

@@ -71,21 +71,35 @@ def pyramid_schedule(total: int, n_layers: int, beta: float) -> list[int]:
     return [f + (1 if layer < left else 0) for layer, f in enumerate(floors)]
 
 
-def kvpress_schedule(budget: int, n_layers: int, beta: float, window: int) -> list[int]:
-    """kvpress's ``PyramidKVPress.get_layer_budget`` for a prompt long enough not to cap it.
+def kvpress_schedule(budget: int, n_layers: int, beta: float, window: int, tokens: int | None = None) -> list[int]:
+    """kvpress's ``PyramidKVPress.get_layer_budget``, every layer's budget for ``tokens`` in the cache.
 
-    ``min = N / beta``, ``max = 2N - min`` (the window inside the budget), layer ``l`` keeps
-    ``round(max - l (max - min) / (L - 1))`` (Python's ``round``, half to even), and every
-    layer falls back to ``N`` unless ``max >= min >= window``. One layer keeps ``round(max)``.
-    kvpress also caps ``max`` at ``q_len - window`` for short prompts, which a budget
-    given in tokens has no use for (not reproduced).
+    With ``N = budget`` (kvpress's ``q_len * (1 - compression_ratio)``, here an integer) and
+    ``q = tokens`` (kvpress's ``q_len``, the tokens the layer holds when it compresses):
+
+    * ``min = N / beta``, ``max = 2N - min`` (the window inside the budget);
+    * **the cap**: if ``max >= q - window``, then ``max = q - window`` and ``min = 2N - max``
+      (the bottom layer may not keep more than the prompt less the window; what it gives up
+      goes to the top layers, the total staying ``N * L``);
+    * every layer falls back to ``N`` unless ``q >= max >= min >= window``;
+    * layer ``l`` keeps ``round(max - l (max - min) / (L - 1))`` (Python's ``round``, half
+      to even); one layer keeps ``round(max)``.
+
+    ``tokens=None`` is a prompt long enough never to cap (the engine's budget check, which
+    knows no prompt). Read from kvpress 0.5.5, ``kvpress/presses/pyramidkv_press.py``
+    (``get_layer_budget``); the comparisons ``>=`` and the rounding are kvpress's.
     """
     budget = check_int("budget", budget, 1)
     n_layers = check_int("n_layers", n_layers, 1)
     beta = check_float("beta", beta, 1.0)
+    if tokens is not None:
+        tokens = check_int("tokens", tokens, 1)
     low = budget / beta
     high = 2 * budget - low
-    if not high >= low >= window:
+    if tokens is not None and high >= tokens - window:
+        high = tokens - window
+        low = 2 * budget - high
+    if not ((tokens is None or tokens >= high) and high >= low >= window):
         return [budget] * n_layers
     steps = (high - low) / (n_layers - 1) if n_layers > 1 else 0.0
     return [round(high - layer * steps) for layer in range(n_layers)]
@@ -124,8 +138,14 @@ class PyramidKV(Policy):
     * **Window**: the paper's code reserves the window in every layer and schedules the rest
       (``M = N - w``); kvpress schedules the whole budget with the window inside, and falls
       back to ``N`` in every layer when the smallest layer would not hold the window.
+    * **The prompt's length** (``form="kvpress"`` only): kvpress caps the bottom layer at the
+      tokens the layer holds less the window, ``q - w``, and gives what it cut to the top
+      layers; the engine hands each layer's token count to :meth:`layer_budget` (``tokens``)
+      so the cap applies exactly where kvpress's does (at ``q = 4096``, ratio 0.25 the
+      uncapped schedule would give the bottom layer 5990 tokens, more than the prompt).
     * **Budget check**: the base is checked at ``N``; a layer's budget may be as small as the
-      window (the top layer then keeps only its window, as in the paper's code).
+      window (the top layer then keeps only its window, as in the paper's code), never 0
+      (refused: such a layer would hold nothing).
     * **Per-token state** and protected tokens are the base's; ``view.budget`` and ``view.keep``
       are the layer's own.
     """
@@ -174,20 +194,25 @@ class PyramidKV(Policy):
             return {"base": self._base.name, "beta": self.beta, "form": self.form, "base_params": self._base.params()}
         return {"base": self.base, "beta": self.beta, "form": self.form, "base_params": self.base_params}
 
-    def layer_budgets(self, budget: int, n_layers: int) -> list[int]:
-        """Every layer's budget per KV head under the engine's ``N = budget``."""
+    def layer_budgets(self, budget: int, n_layers: int, tokens: int | None = None) -> list[int]:
+        """Every layer's budget per KV head under the engine's ``N = budget``.
+
+        ``tokens``: the tokens a layer holds when it compresses (kvpress's ``q_len``), which
+        ``form="kvpress"`` caps its bottom layer with (:func:`kvpress_schedule`); the paper's
+        form does not depend on it.
+        """
         if self.form == "kvpress":
-            return kvpress_schedule(budget, n_layers, self.beta, self.window)
+            return kvpress_schedule(budget, n_layers, self.beta, self.window, tokens)
         w = min(self.window, budget)
         return [w + k for k in pyramid_schedule(budget - w, n_layers, self.beta)]
 
-    def layer_budget(self, budget: int, layer: int, n_layers: int) -> int:
-        return self.layer_budgets(budget, n_layers)[layer]
+    def layer_budget(self, budget: int, layer: int, n_layers: int, tokens: int | None = None) -> int:
+        return self.layer_budgets(budget, n_layers, tokens)[layer]
 
     def check(self, budget: int, config: ModelConfig) -> None:
         self._base.check(budget, config)
         budgets = self.layer_budgets(budget, config.n_layers)
-        if min(budgets) < 1:
+        if min(budgets) < 1:  # a layer of budget 0 would hold nothing (kvpress's topk(0))
             raise ValueError(f"budget must leave every layer at least one token under beta={self.beta}: the "
                              f"schedule for budget={budget} is {budgets}")
 

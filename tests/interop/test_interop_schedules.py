@@ -45,9 +45,12 @@ DECODING_SCORERS = {
     "KnormPress": ("knorm", lambda: kvpress.KnormPress(), {}),
     # refkv's sink scores nothing: only the kept sets are compared
     "StreamingLLMPress": ("sink", lambda: kvpress.StreamingLLMPress(n_sink=4), {"declare": {"kept_only": True}}),
+    # fitted to the golden's snapkv: window_size 32, kernel_size 7 (refkv's defaults)
     "SnapKVPress": ("snapkv", lambda: kvpress.SnapKVPress(), {}),
-    "TOVAPress": ("tova", lambda: kvpress.TOVAPress(), {}),
-    "ObservedAttentionPress": ("h2o", lambda: kvpress.ObservedAttentionPress(), {}),
+    # TOVA is refkv's tova all_heads=True and ObservedAttention h2o recent=0: the committed goldens' tova and h2o
+    # are the defaults (all_heads=False, recent=None), which the adapter skips unless asked (other_options)
+    "TOVAPress": ("tova", lambda: kvpress.TOVAPress(), {"other_options": True}),
+    "ObservedAttentionPress": ("h2o", lambda: kvpress.ObservedAttentionPress(), {"other_options": True}),
     "ExpectedAttentionPress": ("expected_attention", lambda: kvpress.ExpectedAttentionPress(), {}),
 }
 
@@ -101,7 +104,9 @@ assert sorted(values.flatten().tolist()) == [0.0, 1.0, 10.0, 11.0], values.flatt
 """
 STREAMING_DEFECT = ("StreamingLLMPress keeps the first n_sink and last rows of the cache, but ScorerPress.compress "
                     "leaves rows in topk order, so from the second compression on (DecodingPress, "
-                    "PrefillDecodingPress) the sink tokens are evicted and older tokens kept in place of recent ones")
+                    "PrefillDecodingPress) it keeps whichever tokens topk left in those rows: recent-window tokens "
+                    "are evicted and older ones kept instead, and the sink tokens where topk moved them out of the "
+                    "first rows")
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"kvpress 0.5.5 defect: {STREAMING_DEFECT}")
@@ -158,12 +163,13 @@ def test_block_press_is_one_shot_for_independent_scores_only(prefill_goldens, tm
 
 # -- the seven scorers under the three decoding wrappers ------------------------------------------------------
 _ROUND0 = "first diverged at round 0 (decode step 4, 28 tokens seen, budget {}): {}".format
-_STREAMING = ("kvpress defect (sink tokens evicted from the second round)",
+_STREAMING = ("kvpress defect (rows in score order from the second round: recent-window tokens evicted, sink "
+              "tokens too where topk moved them)",
               "first diverged at round 1 (decode step {}, {} tokens seen, budget 16): protected position evicted")
 _TOVA = "differs by design (the current query over all heads: tova all_heads=True; the current token always kept)"
 _OBSERVED = "kvpress defect (one query's weights divided by n - j; H2O accumulates)"
 _NAN = "kvpress defect (NaN scores: an interval <= n_sink leaves no query)"
-_WINDOW = "should be greater than the window size 64"
+_WINDOW = "should be greater than the window size 32"
 #: ``(press, wrapper) -> (the table's status, expected)``: expected is "pass", a words of the check's
 #: report, or ``error: `` and the words of the error the press raises.
 DECODING_OUTCOMES = {
@@ -173,12 +179,12 @@ DECODING_OUTCOMES = {
     ("StreamingLLMPress", "DecodingPress"): (_STREAMING[0], _STREAMING[1].format(8, 32)),
     ("StreamingLLMPress", "PrefillDecodingPress"): (_STREAMING[0], _STREAMING[1].format(16, 40)),
     ("StreamingLLMPress", "CompressionRatioDecodingPress"): (_STREAMING[0], _STREAMING[1].format(8, 32)),
-    ("SnapKVPress", "DecodingPress"): ("cannot run (rounds of 4 queries are shorter than its window of 64)",
+    ("SnapKVPress", "DecodingPress"): ("cannot run (rounds of 4 queries are shorter than its window of 32)",
                                        f"error: Query length 4 {_WINDOW}"),
-    ("SnapKVPress", "PrefillDecodingPress"): ("cannot run (the 48-token prompt is shorter than its window of 64)",
-                                              f"error: Query length 48 {_WINDOW}"),
+    ("SnapKVPress", "PrefillDecodingPress"): ("cannot run (rounds of 16 queries are shorter than its window of 32)",
+                                              f"error: Query length 16 {_WINDOW}"),
     ("SnapKVPress", "CompressionRatioDecodingPress"): ("cannot run (rounds of 4 queries are shorter than its "
-                                                       "window of 64)", f"error: Query length 4 {_WINDOW}"),
+                                                       "window of 32)", f"error: Query length 4 {_WINDOW}"),
     # scores the current token's query (the last buffered state) averaged over ALL query heads (refkv's
     # all_heads=True, not its default group mean) and pads the current token with max+1: always kept; at
     # PrefillDecodingPress's prefill the last prompt token's query and padding
@@ -252,7 +258,7 @@ def test_why_tova_and_expected_attention_differ_at_round_0(tmp_path):
     from refkv.oracle.endtoend import read_end_to_end
 
     out = write_candidates(kvpress.DecodingPress(kvpress.TOVAPress()), GOLDEN, tmp_path / "t", policy="tova",
-                           golden_dtype="float32", progress=None, device=DEVICE)
+                           golden_dtype="float32", progress=None, device=DEVICE, other_options=True)
     (path,) = out["written"]
     tova = read_end_to_end(path, candidate=True).arrays
     golden = read_end_to_end(GOLDEN / pathlib.Path(path).relative_to(tmp_path / "t")).arrays
@@ -266,8 +272,9 @@ def test_why_tova_and_expected_attention_differ_at_round_0(tmp_path):
 
 
 def test_snapkv_cannot_run_decoding_rounds_shorter_than_its_window(tmp_path):
-    """kvpress's SnapKVPress needs more buffered queries than its window (64): every 4 tokens is refused."""
-    with pytest.raises(AssertionError, match="should be greater than the window size 64"):
+    """kvpress's SnapKVPress needs more buffered queries than its window (fitted to the golden's 32): every 4
+    tokens is refused."""
+    with pytest.raises(AssertionError, match="should be greater than the window size 32"):
         write_candidates(kvpress.DecodingPress(kvpress.SnapKVPress()), GOLDEN, tmp_path, policy="snapkv",
                          progress=None, device=DEVICE)
 

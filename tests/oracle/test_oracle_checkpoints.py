@@ -64,7 +64,7 @@ def test_generate_schedule_goldens_for_a_model_and_check_them(tmp_path, capsys):
                  "--interval", "4", "--prompt-length", "24", "--prefill", "8", "--prefill-budget", "16",
                  "--out", str(out), "--quiet"]) == 0
     files = sorted(out.glob("e2e/*/*.json"))
-    assert [f.name for f in files] == ["qwen3-sched-B816-K4-N16-float64.json"] * 3
+    assert [f.name for f in files] == ["qwen3-sched-T24-B8-P16-K4-N16-D12-float64.json"] * 3
     g = read_end_to_end(files[0])
     assert g.manifest["model"]["builder"] == "qwen3" and len(g.manifest["rounds"]) == 3 + 3
     capsys.readouterr()

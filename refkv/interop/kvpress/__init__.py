@@ -3,21 +3,26 @@
 A kvpress developer checks a press in a few lines::
 
     from kvpress import DecodingPress, KeyDiffPress
-    from refkv.interop.kvpress import write_candidates
+    from refkv.interop.kvpress import check, write_candidates
 
     # goldens made once with: refkv golden generate --out goldens --policies keydiff
     write_candidates(DecodingPress(KeyDiffPress()), "goldens", "candidate", policy="keydiff")
-    # then: refkv golden check candidate --against goldens --dtype float32
+    report = check("candidate", "goldens", policy="keydiff")  # or: refkv golden check candidate --against goldens
+    print(report.format())
+    assert report.ok
 
 :func:`write_candidates` finds the policy's schedule goldens (:mod:`refkv.schedule`) that
-the press can run, fits the press to each golden's schedule (:func:`fit_press`: the
-compression interval, target size or ratio, and the prefill ratio that keeps the golden's
-prefill budget), builds the golden's model in ``transformers`` from refkv's weights
-(:func:`hf_model`), feeds the golden's prompt and then its decoding tokens one at a time
-inside the press's context, and records after every round, per layer and KV head, which
-**position each cache row holds**, the rows' keys and values, and the press's scores where
-its scorer exposes them. The candidate files mirror the goldens' paths, so ``refkv golden
-check`` reads them.
+the press can run, fits the press to each golden's schedule and policy options
+(:func:`fit_press`: the compression interval, target size or ratio, the prefill ratio that
+keeps the golden's prefill budget, and every option the press exposes that the golden states
+-- window, kernel, beta, n_sink, the AdaKV safeguard; a golden whose options the press
+computes otherwise and cannot set is skipped, saying why), builds the golden's model in
+``transformers`` from refkv's weights (:func:`hf_model`), feeds the golden's prompt and then
+its decoding tokens one at a time inside the press's context, and records after every round,
+per layer and KV head, which **position each cache row holds**, the rows' keys and values,
+and the press's scores where its scorer exposes them. The candidate files mirror the
+goldens' paths, so ``refkv golden check`` reads them, or :func:`check` (the same check,
+returning its report).
 
 Which position a row holds is found without trusting the press: after each step every
 row's key and value are matched bit for bit against the rows the layer held just before
@@ -47,6 +52,6 @@ float16 end-to-end tolerances).
 """
 
 from .models import hf_model
-from .schedules import Skip, fit_press, run_press, write_candidates
+from .schedules import Skip, check, fit_press, kvpress_version, run_press, write_candidates
 
-__all__ = ["Skip", "fit_press", "hf_model", "run_press", "write_candidates"]
+__all__ = ["Skip", "check", "fit_press", "hf_model", "kvpress_version", "run_press", "write_candidates"]

@@ -4,7 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFECTS", "GRID", "KEPT_ONLY", "PAIRS", "PRESSES", "WRAPPERS", "Cell", "Defect", "grid_rst", "presses_rst"]
+__all__ = ["DEFECTS", "GRID", "KEPT_ONLY", "OPTIONS", "PAIRS", "PRESSES", "WRAPPERS", "Cell", "Defect", "grid_rst",
+           "presses_rst"]
+
+#: Scorer press -> (its refkv policy, {policy option: the press's field} the adapter sets to the
+#: golden's, {policy option: the value the press computes with} it cannot set). Read from the
+#: dataclass fields and ``score`` methods of kvpress 0.5.5's presses; a golden stating another value
+#: of a fixed option is skipped (:func:`refkv.interop.kvpress.fit_press`). ``PyramidKVPress``
+#: (pyramidkv over snapkv) and ``AdaKVPress`` (adakv) are wrappers with options of their own.
+OPTIONS = {
+    "KeyDiffPress": ("keydiff", {}, {"anchor": "unit_mean", "metric": "cosine", "reserve": 0.0}),
+    "KnormPress": ("knorm", {}, {"skip_layers": []}),
+    "StreamingLLMPress": ("sink", {"sink": "n_sink"}, {}),
+    "SnapKVPress": ("snapkv", {"window": "window_size", "kernel": "kernel_size"}, {"pooling": "avg"}),
+    "TOVAPress": ("tova", {}, {"all_heads": True}),
+    "ObservedAttentionPress": ("h2o", {}, {"recent": 0}),
+    "ExpectedAttentionPress": ("expected_attention", {name: name for name in (
+        "n_future_positions", "n_sink", "use_covariance", "use_vnorm", "epsilon")}, {}),
+}
 
 #: Scorer press -> (refkv policy, its options that match the press, the press's parameters).
 PAIRS = {
@@ -83,6 +100,39 @@ DEFECTS = (
            "hidden = torch.randn(1, 4, 8)  # DecodingPress's buffer at compression_interval=4: four states\n"
            "scores = ExpectedAttentionPress().score(module, hidden, keys, keys, None, {})\n"
            "assert not scores.isnan().any(), scores  # n_sink=4 drops all four: NaN\n"),
+    Defect("SnapKVPress under DecodingPress: window queries rotated at one position",
+           "the observation window's queries are the buffered decoding states, but all are rotated with the "
+           "current token's cos and sin (a decoding step's position_embeddings hold one position, which "
+           "cos[:, -window_size:] broadcasts): every window query is placed at the current position",
+           "import torch\n"
+           "from transformers import LlamaConfig\n"
+           "from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding\n"
+           "from kvpress import SnapKVPress\n"
+           "torch.manual_seed(0)\n"
+           "config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4)\n"
+           "module = LlamaAttention(config, layer_idx=0)\n"
+           "rotary = LlamaRotaryEmbedding(config)\n"
+           "hidden = torch.randn(1, 3, 8)  # DecodingPress's buffer: the states of positions 7, 8 and 9\n"
+           "keys = torch.randn(1, 1, 10, 4)\n"
+           "press = SnapKVPress(window_size=2, kernel_size=1)\n"
+           "now = rotary(hidden, torch.tensor([[9]]))  # what a decoding step passes: the current token's cos, sin\n"
+           "own = rotary(hidden, torch.tensor([[7, 8, 9]]))  # each buffered state's own position\n"
+           "scores = press.score(module, hidden, keys, keys, None, {\"position_embeddings\": now})\n"
+           "assert torch.allclose(scores, press.score(module, hidden, keys, keys, None, "
+           "{\"position_embeddings\": own})), scores\n"),
+    Defect("Pooled scores under DecodingPress: rows in score order",
+           "ScorerPress.compress gathers the kept rows in topk (score) order, so at the next compression "
+           "SnapKV's avg_pool1d (and PyramidKV's) smooths each token with rows that are not its neighbours in "
+           "the sequence",
+           "import torch\n"
+           "from types import SimpleNamespace\n"
+           "from kvpress import KnormPress\n"
+           "keys = torch.tensor([[3.0, 0.0], [2.0, 0.0], [4.0, 0.0], [1.0, 0.0]]).view(1, 1, 4, 2)  # positions 0-3\n"
+           "kept, _ = KnormPress(compression_ratio=0.5).compress(SimpleNamespace(head_dim=2), None, keys, keys, None, "
+           "{})\n"
+           "# the two smallest norms, positions 1 and 3, in the sequence's order (a pooled score reads rows as "
+           "neighbours)\n"
+           "assert torch.equal(kept, keys[:, :, [1, 3]]), kept[0, 0, :, 0]  # got the rows of positions 3, then 1\n"),
 )
 
 _BOTH = ("float32", "bfloat16", "float16")
@@ -100,7 +150,10 @@ _MASKED_STATE = Cell("kvpress defect (masked rows re-selected: each round's stat
 _NO_EAGER = Cell("cannot run (AdaKVPress refuses eager attention, which ObservedAttentionPress needs)",
                  "eager mode not supported")
 _NO_ATTENTION = Cell("cannot run (the wrapper refuses attention weights)", "does not support attentions")
-_SNAP_WINDOW = Cell("cannot run (a round of 4 queries is shorter than its window)",
+_SNAP_WINDOW = Cell("cannot run (a round of 4 queries is shorter than its window); with rounds longer than its "
+                    "window (512-token prompt, N=256, K=64, w=32): differs by design (refkv scores a decoding round "
+                    "with its one query, kvpress with the last w buffered) and two kvpress defects (window queries "
+                    "rotated at the current position; rows in score order, so the next round pools non-neighbours)",
                     "should be greater than the window size")
 _KVPRESS = 'matches option form="kvpress"'
 
@@ -135,7 +188,8 @@ def _grid() -> dict:
                 cells["DecodingPress(AdaKVPress)", d] = _MASKED_STATE
         if press == "StreamingLLMPress":
             for d in _BOTH:
-                cells["DecodingPress", d] = Cell(defect("sink tokens evicted from the second round"),
+                cells["DecodingPress", d] = Cell(defect("rows in score order from the second round: recent-window "
+                                                        "tokens evicted, then sink tokens"),
                                                  "first diverged at round 1")
             cells["BlockPress", "float32"] = Cell("differs by design (each block's own sink and window)",
                                                   "protected position evicted")
@@ -267,9 +321,13 @@ PRESSES = {
     "ScorerPress": f"{_NOT_POLICY} (the base class of scorers)",
     "SimLayerKVPress": f"{_NOT_IMPL} (per-layer laziness test switching to a window: no refkv policy)",
     "SnapKVPress": "differs by design (snapkv pooling=avg: a mean where refkv sums, window padded max+1); "
-                   "cannot run decoding rounds shorter than its window",
+                   "cannot run decoding rounds shorter than its window; under DecodingPress with longer rounds, "
+                   "differs by design (the last w buffered queries, where refkv's decoding round has one) and two "
+                   "kvpress defects (window queries rotated at the current position; rows in score order, so the "
+                   "next round pools non-neighbours)",
     "StreamingLLMPress": "differs by design (sink: 1/0 scores, kept sets compared); kvpress defects: a prompt of "
-                         "at most n_sink tokens, and sink tokens evicted from the second DecodingPress round",
+                         "at most n_sink tokens, and from the second DecodingPress round a cache in score order "
+                         "(recent-window tokens evicted, sink tokens too where topk moved them)",
     "TOVAPress": "differs by design (tova all_heads=True, the last token padded max+1: always kept)",
     "ThinKPress": f"{_NOT_POLICY} (prunes key channels, not tokens)",
 }
