@@ -1,0 +1,87 @@
+"""refkv's ``form="authors"`` against the authors' own code, with no network and no checkout.
+
+``tools/authors/run_authors.py`` loaded the authors' selection code unmodified from their
+repositories (the commit is in each folder's ``PROVENANCE.json``), ran it on refkv's inputs
+and wrote what it kept as candidate goldens (the files beside this test). Here refkv
+regenerates each reference with its authors' form and ``refkv golden check`` compares:
+every round, every layer, ties strict. A second test shows the check can fail: the paper
+form (hashing the key, refkv's tie rule and window) is judged against the same candidates.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from refkv import policies
+from refkv.cli import main
+from refkv.model import TINY, Model, random_weights
+from refkv.oracle.endtoend import read_end_to_end, write_end_to_end
+from refkv.oracle.models import build_model
+from refkv.oracle.recorder import run_schedule_golden
+from refkv.schedule import Schedule
+
+HERE = Path(__file__).parent
+PROVENANCE = sorted(HERE.glob("*/PROVENANCE.json"))
+
+
+def _model(name: str, dtype: str) -> Model:
+    if name == "tiny-mha":  # the tiny model with one KV head per query head (no GQA)
+        config = replace(TINY, n_kv_heads=TINY.n_heads, name="tiny-mha")
+        return Model(config, random_weights(config, seed=0, dtype=dtype))
+    return build_model(name, 0, dtype)
+
+
+def _reference(candidate: Path, folder: Path, params: dict | None = None) -> Path:
+    """Regenerate, with refkv, the golden a candidate answers (its manifest names the run)."""
+    manifest = read_end_to_end(candidate, candidate=True).manifest
+    policy = policies.get(manifest["policy"]["name"], **(params or manifest["policy"]["params"]))
+    model = _model(manifest["model"]["builder"], manifest["dtype"])
+    ref, arrays = run_schedule_golden(policy, Schedule.from_dict(manifest["schedule"]), dtype=manifest["dtype"],
+                                      prompt_length=manifest["prompt"]["length"], model=manifest["model"]["builder"],
+                                      built=model)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_end_to_end(folder / candidate.name, ref, arrays)
+    return folder / candidate.name
+
+
+def test_provenance_names_a_commit_and_every_candidate():
+    assert PROVENANCE, "no committed candidates"
+    for path in PROVENANCE:
+        obj = json.loads(path.read_text())
+        assert len(obj["commit"]) == 40 and obj["loaded_unmodified"] is True
+        files = sorted(p.name for p in path.parent.glob("*.json") if p.name != "PROVENANCE.json")
+        assert files == sorted(Path(row["file"]).name for row in obj["configurations"])
+        for row in obj["configurations"]:
+            manifest = json.loads((path.parent / Path(row["file"]).name).read_text())
+            assert manifest["source"]["commit"] == obj["commit"]
+            assert manifest["policy"]["params"]["form"] == "authors"
+
+
+@pytest.mark.parametrize("provenance", PROVENANCE, ids=lambda p: p.parent.name)
+def test_authors_code_keeps_what_refkv_authors_form_keeps(provenance, tmp_path, capsys):
+    """Every configuration the authors' code ran: identical kept sets at every round and layer."""
+    candidates = sorted(p for p in provenance.parent.glob("*.json") if p.name != "PROVENANCE.json")
+    for candidate in candidates:
+        _reference(candidate, tmp_path)
+    rc = main(["golden", "check", str(provenance.parent), "--against", str(tmp_path), "--strict-ties"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"{len(candidates)} files: {len(candidates)} passed" in out
+
+
+def test_the_check_fails_the_paper_form(tmp_path):
+    """The same candidates judged against the paper form (key hashing, refkv's own tie rule and
+    recent window): the authors' code keeps other tokens, and the check says so."""
+    folder = HERE / "hashevict"
+    candidate = folder / "tiny-N16-T24-D20.json"
+    params = {k: v for k, v in read_end_to_end(candidate, candidate=True).manifest["policy"]["params"].items()
+              if k != "form"}
+    reference = _reference(candidate, tmp_path, params)
+    cand = read_end_to_end(candidate, candidate=True).arrays["kept"]
+    assert not np.array_equal(cand, read_end_to_end(reference).arrays["kept"])
+    assert main(["golden", "check", str(folder), "--against", str(tmp_path), "--allow-missing"]) != 0

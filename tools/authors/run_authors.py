@@ -1,0 +1,227 @@
+"""Run the authors' own selection code on refkv's inputs; write candidate goldens.
+
+Given local checkouts of the authors' repositories, this loads their selection routines
+*unmodified* (``importlib`` from the checkout's files; nothing is copied or patched) and
+feeds them the keys, values and queries of refkv's models. What their code keeps is
+written as a **candidate file in refkv's golden format**, so that::
+
+    python -m refkv golden check CANDIDATE.json REFERENCE.json
+
+judges the authors' code against refkv's ``form="authors"`` (the reference is made by
+:func:`refkv.oracle.recorder.run_schedule_golden` or read from a vectors file; the test
+``tests/authors/test_authors_candidates.py`` regenerates it and checks the committed
+candidates, so CI needs neither the network nor the checkouts).
+
+Usage::
+
+    python tools/authors/run_authors.py --repos DIR [--out tests/authors] [--policy hashevict]
+
+``DIR`` holds one folder per repository, named ``owner+name`` (``minghui-liu+cold-compress``,
+``FasterDecoding+SnapKV``) or just ``name``; ``REFKV_AUTHORS_REPOS`` may name it instead.
+The commit of each checkout is read from ``DIR/<folder>/COMMIT`` (a file holding the hash)
+when the folder is not a git work tree.
+
+This tool is never imported by ``refkv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from refkv import policies  # noqa: E402
+from refkv.engine import Engine  # noqa: E402
+from refkv.files import atomic_write  # noqa: E402
+from refkv.model import TINY, Model, random_weights  # noqa: E402
+from refkv.oracle.endtoend import write_end_to_end  # noqa: E402
+from refkv.oracle.models import build_model  # noqa: E402
+from refkv.oracle.recorder import run_schedule_golden  # noqa: E402
+from refkv.schedule import Schedule  # noqa: E402
+
+#: The repository each policy's authors' code lives in (GitHub owner/name).
+REPOSITORIES = {"hashevict": "minghui-liu/cold-compress", "snapkv": "FasterDecoding/SnapKV"}
+
+
+# -- loading their code ---------------------------------------------------------------------------
+def checkout(repos: Path, repo: str) -> Path:
+    """The folder of ``repo`` (owner/name) under ``repos``."""
+    for name in (repo.replace("/", "+"), repo.split("/")[1]):
+        if (repos / name).is_dir():
+            return repos / name
+    raise SystemExit(f"error: no checkout of {repo} under {repos} (expected {repo.replace('/', '+')}/)")
+
+
+def commit_of(folder: Path) -> str:
+    """The commit a checkout is at (``git rev-parse HEAD``, or the ``COMMIT`` file of an export)."""
+    marker = folder / "COMMIT"
+    if marker.is_file():
+        return marker.read_text().strip()
+    out = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"error: cannot tell the commit of {folder}: put it in {marker}")
+    return out.stdout.strip()
+
+
+def load_module(folder: Path, relative: str, name: str):
+    """Import ``folder/relative`` as module ``name``, unmodified; the checkout goes first on
+    ``sys.path`` so that its own imports (``from prompt_compression import ...``) resolve."""
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / relative)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- HashEvict: KVCacheLSH of minghui-liu/cold-compress -------------------------------------------
+#: (label, model name, MHA, budget N, prompt length T, generated tokens D): prompts longer and
+#: shorter than N (the authors' prompt cut, and none), GQA and not, several budgets.
+HASHEVICT_CONFIGS = (
+    ("tiny-N16-T24-D20", "tiny", False, 16, 24, 20),
+    ("tiny-N24-T40-D16", "tiny", False, 24, 40, 16),
+    ("tiny-N32-T20-D24", "tiny", False, 32, 20, 24),
+    ("mha-N16-T24-D20", "tiny", True, 16, 24, 20),
+    ("qwen2-N20-T30-D16", "qwen2", False, 20, 30, 16),
+    ("llama3-N16-T16-D20", "llama3", False, 16, 16, 20),
+)
+HASHEVICT_PARAMS = {"form": "authors", "hash": "key"}
+
+
+def model_for(name: str, mha: bool, dtype: str = "float64") -> tuple[Model, str]:
+    """A golden model, or the tiny one with as many KV heads as query heads (no GQA)."""
+    if not mha:
+        return build_model(name, 0, dtype), name
+    config = replace(TINY, n_kv_heads=TINY.n_heads, name="tiny-mha")
+    return Model(config, random_weights(config, seed=0, dtype=dtype)), "tiny-mha"
+
+
+def hashevict_authors_kept(module, compressor_module, policy, model: Model, prompt, decode, budget: int):
+    """Teacher-forced: feed ``KVCacheLSH`` the keys refkv's model gives each token, one layer at a time.
+
+    refkv's engine (``form="authors"``) is run alongside to produce every token's key and value
+    in every layer; the authors' cache receives the same vectors and decides on its own. The
+    engine's decisions only matter for the keys of later tokens (which the next layers' inputs
+    depend on): while both agree, their inputs are the same as the authors' code would see in
+    a model of its own; after a difference the check stops comparing.
+    """
+    import torch
+
+    cfg = model.config
+    hkv, d = cfg.n_kv_heads, cfg.d_head
+    engine = Engine(model, policy, None)
+    engine.forward(prompt)
+    caches = []
+    t = len(prompt)
+    for layer, cache in enumerate(engine.caches):
+        lsh = module.KVCacheLSH(1, hkv, d, dtype=torch.float64, max_cache_length=budget,
+                                max_seq_length=t + len(decode), cache_bits=None, global_tokens=policy.sink,
+                                recent_window=policy.recent, lsh_dim=policy.n_bits)
+        planes = policy.planes(d, np.float64, layer)  # (c, d); theirs is (d, c): x @ R
+        lsh.random_proj_matrix = torch.from_numpy(np.ascontiguousarray(planes.T))
+        input_pos = torch.arange(t)
+        k = torch.from_numpy(cache.keys.copy())[None]  # (1, Hkv, T, d)
+        v = torch.from_numpy(cache.values.copy())[None]
+        if budget < t:  # model.py:357-362: the default prompt compressor, recent_global
+            compressor = compressor_module.PromptCompressorRecentGlobal(
+                head_specific=True, max_cache_length=budget, global_tokens=policy.sink,
+                recent_window=policy.recent)
+            input_pos, k, v, _ = compressor(input_pos, k, v, attn=None)
+        lsh.update_kv(input_pos, k, v, True)
+        lsh.update_state(input_pos, k, v, True, None)
+        caches.append(lsh)
+    kept = []
+    for token in decode:
+        engine.budget = budget
+        engine.forward([int(token)])
+        engine.budget = None
+        per_layer = []
+        for layer, cache in enumerate(engine.caches):
+            pos = cache.positions
+            column = np.argmax(pos == t, axis=1)  # the new token's column in each head
+            k = np.stack([cache.keys[h, column[h]] for h in range(hkv)])[None, :, None]
+            v = np.stack([cache.values[h, column[h]] for h in range(hkv)])[None, :, None]
+            caches[layer].update_kv(torch.tensor([t]), torch.from_numpy(k), torch.from_numpy(v), False)
+            held = caches[layer].pos[0].numpy().astype(np.int64)  # (Hkv, N), -1: an empty slot
+            order = np.lexsort((held, held < 0), axis=1)  # increasing positions, empty slots last
+            per_layer.append(np.take_along_axis(held, order, axis=1))
+        kept.append(per_layer)
+        t += 1
+    return np.array(kept)  # (R, L, Hkv, N)
+
+
+def run_hashevict(repos: Path, out: Path) -> list[dict]:
+    folder = checkout(repos, REPOSITORIES["hashevict"])
+    commit = commit_of(folder)
+    compressor_module = load_module(folder, "prompt_compression.py", "prompt_compression")
+    module = load_module(folder, "cache.py", "authors_cold_compress_cache")
+    policy = policies.get("hashevict", **HASHEVICT_PARAMS)
+    rows = []
+    target = out / "hashevict"
+    target.mkdir(parents=True, exist_ok=True)
+    for label, name, mha, budget, length, new in HASHEVICT_CONFIGS:
+        model, model_name = model_for(name, mha)
+        schedule = Schedule(None, None, 1, budget, new_tokens=new)
+        manifest, arrays = run_schedule_golden(policy, schedule, prompt_length=length, model=model_name,
+                                               built=model)
+        kept = hashevict_authors_kept(module, compressor_module, policy, model, arrays["prompt"], arrays["decode"],
+                                      budget)
+        counts = (kept[:, :, 0] >= 0).sum(axis=-1).astype(np.int64)  # (R, L): tokens held by head 0
+        width = arrays["kept"].shape[-1]
+        kept = kept[..., :width] if kept.shape[-1] >= width else np.pad(
+            kept, [(0, 0)] * 3 + [(0, width - kept.shape[-1])], constant_values=-1)
+        candidate = {**manifest, "declare": {"kept_only": True},
+                     "source": {"repository": REPOSITORIES["hashevict"], "commit": commit,
+                                "code": "cache.py KVCacheLSH, prompt_compression.py PromptCompressorRecentGlobal",
+                                "logits": "not computed by the authors' cache (zeros, not compared: kept_only)"}}
+        write_end_to_end(target / f"{label}.json", candidate,
+                         {"kept": kept, "kept_count": counts, "logits": np.zeros_like(arrays["logits"])})
+        same = bool(np.array_equal(kept, arrays["kept"]))
+        rows.append({"policy": "hashevict", "configuration": label, "model": model_name, "budget": budget,
+                     "prompt": length, "new_tokens": new, "gqa": model.config.n_kv_heads < model.config.n_heads,
+                     "identical": same, "commit": commit, "file": f"tests/authors/hashevict/{label}.json"})
+        print(f"hashevict {label}: {'identical' if same else 'DIFFERENT'}")
+    write_provenance(target, "hashevict", commit, rows)
+    return rows
+
+
+def write_provenance(target: Path, policy: str, commit: str, rows: list[dict]) -> None:
+    obj = {"policy": policy, "repository": REPOSITORIES[policy], "commit": commit,
+           "loaded_unmodified": True, "tool": "tools/authors/run_authors.py", "configurations": rows}
+    atomic_write(target / "PROVENANCE.json", (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+RUNNERS = {"hashevict": run_hashevict}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repos", default=os.environ.get("REFKV_AUTHORS_REPOS"),
+                        help="folder of the authors' checkouts (or env REFKV_AUTHORS_REPOS)")
+    parser.add_argument("--out", default=str(ROOT / "tests" / "authors"), help="where the candidates go")
+    parser.add_argument("--policy", action="append", choices=sorted(RUNNERS), help="only these (repeatable)")
+    args = parser.parse_args(argv)
+    if not args.repos:
+        parser.error("--repos DIR (or REFKV_AUTHORS_REPOS) is required")
+    repos = Path(args.repos)
+    if not repos.is_dir():
+        parser.error(f"--repos must be a folder, got {repos}")
+    for name in args.policy or sorted(RUNNERS):
+        RUNNERS[name](repos, Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
