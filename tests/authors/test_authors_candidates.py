@@ -55,23 +55,40 @@ def test_provenance_names_a_commit_and_every_candidate():
         obj = json.loads(path.read_text())
         assert len(obj["commit"]) == 40 and obj["loaded_unmodified"] is True
         files = sorted(p.name for p in path.parent.glob("*.json") if p.name != "PROVENANCE.json")
-        assert files == sorted(Path(row["file"]).name for row in obj["configurations"])
-        for row in obj["configurations"]:
+        rows = [row for row in obj["configurations"] if row["file"]]  # a GQA row of SnapKV has no candidate
+        assert files == sorted(Path(row["file"]).name for row in rows)
+        for row in rows:
             manifest = json.loads((path.parent / Path(row["file"]).name).read_text())
             assert manifest["source"]["commit"] == obj["commit"]
             assert manifest["policy"]["params"]["form"] == "authors"
 
 
+#: Candidates whose exact ties the check accepts: ``torch.topk`` orders equal values by no stable
+#: rule (SnapKV's max pooling makes plateaus of equal scores), so refkv keeps its own tie rule
+#: there; every other candidate is checked with ties strict.
+TIES_ACCEPTED = {"snapkv": "-max-"}
+
+
 @pytest.mark.parametrize("provenance", PROVENANCE, ids=lambda p: p.parent.name)
 def test_authors_code_keeps_what_refkv_authors_form_keeps(provenance, tmp_path, capsys):
-    """Every configuration the authors' code ran: identical kept sets at every round and layer."""
+    """Every configuration the authors' code ran: the same kept sets at every round and layer."""
+    policy = provenance.parent.name
     candidates = sorted(p for p in provenance.parent.glob("*.json") if p.name != "PROVENANCE.json")
     for candidate in candidates:
-        _reference(candidate, tmp_path)
-    rc = main(["golden", "check", str(provenance.parent), "--against", str(tmp_path), "--strict-ties"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
-    assert f"{len(candidates)} files: {len(candidates)} passed" in out
+        _reference(candidate, tmp_path / "all")
+        strict = tmp_path / ("loose" if TIES_ACCEPTED.get(policy, "\0") in candidate.name else "strict")
+        strict.mkdir(exist_ok=True)
+        for suffix in (".json", ".npz"):
+            (strict / candidate.with_suffix(suffix).name).write_bytes(candidate.with_suffix(suffix).read_bytes())
+    for group, options in (("strict", ["--strict-ties"]), ("loose", [])):
+        if not (tmp_path / group).is_dir():
+            continue
+        count = len(list((tmp_path / group).glob("*.json")))
+        rc = main(["golden", "check", str(tmp_path / group), "--against", str(tmp_path / "all"), "--allow-missing",
+                   *options])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        assert f"{count} files: {count} passed" in out
 
 
 def test_the_check_fails_the_paper_form(tmp_path):

@@ -197,13 +197,105 @@ def run_hashevict(repos: Path, out: Path) -> list[dict]:
     return rows
 
 
+# -- SnapKV: SnapKVCluster of FasterDecoding/SnapKV ----------------------------------------------------
+#: (label, MHA, budget N, window w, kernel k, pooling, prompt T): one-shot prefill compressed once.
+SNAPKV_CONFIGS = (
+    ("mha-N16-w4-k3-avg-T40", True, 16, 4, 3, "avg", 40),
+    ("mha-N24-w8-k5-avg-T48", True, 24, 8, 5, "avg", 48),
+    ("mha-N12-w4-k7-avg-T40", True, 12, 4, 7, "avg", 40),
+    ("mha-N16-w4-k3-max-T40", True, 16, 4, 3, "max", 40),
+    ("mha-N40-w32-k7-max-T64", True, 40, 32, 7, "max", 64),
+    ("mha-N16-w8-k1-avg-T24", True, 16, 8, 1, "avg", 24),
+    ("gqa-N16-w4-k3-avg-T40", False, 16, 4, 3, "avg", 40),
+    ("gqa-N16-w4-k7-max-T40", False, 16, 4, 7, "max", 40),
+)
+
+
+def snapkv_authors_kept(module, model: Model, prompt, budget: int, window: int, kernel: int, pooling: str):
+    """What ``SnapKVCluster.update_kv`` keeps in every layer after a one-shot prefill: (L, H, N).
+
+    The queries and keys are refkv's (the views of its engine's eviction, one per layer; in a
+    one-shot prefill no layer's input depends on an eviction). The keys are repeated to the
+    query heads with the code's own ``repeat_kv`` (as its attention does before calling
+    ``update_kv``). The values handed to it carry each token's position in their first entry:
+    ``update_kv`` only gathers values (``snapkv_utils.py:64-69``), so what it returns names
+    the tokens it kept.
+    """
+    import torch
+
+    policy = policies.get("snapkv", window=window, kernel=kernel, pooling=pooling)  # its views only
+    engine = Engine(model, policy, budget, record="views")
+    engine.forward(prompt)
+    cluster = module.SnapKVCluster(window_size=window, max_capacity_prompt=budget, kernel_size=kernel,
+                                   pooling={"avg": "avgpool", "max": "maxpool"}[pooling])
+    kept = []
+    for event in sorted(engine.trace.evictions, key=lambda e: e.layer):
+        view = event.view
+        groups = view.group_size
+        keys = module.repeat_kv(torch.from_numpy(view.keys.copy())[None], groups)  # (1, H, T, d)
+        queries = torch.from_numpy(view.queries.copy())[None]  # (1, H, T, d)
+        values = torch.zeros_like(keys)
+        values[..., 0] = torch.from_numpy(view.positions[0].astype(np.float64))  # positions, one per token
+        _, out = cluster.update_kv(keys, queries, values, None, groups)
+        kept.append(np.sort(out[0, :, :, 0].numpy().astype(np.int64), axis=-1))
+    return np.array(kept)  # (L, H, N)
+
+
+def run_snapkv(repos: Path, out: Path) -> list[dict]:
+    folder = checkout(repos, REPOSITORIES["snapkv"])
+    commit = commit_of(folder)
+    module = load_module(folder, "snapkv/monkeypatch/snapkv_utils.py", "authors_snapkv_utils")
+    target = out / "snapkv"
+    target.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for label, mha, budget, window, kernel, pooling, length in SNAPKV_CONFIGS:
+        # float32: the code cannot run in float64 (snapkv_utils.py:46 fills a float32 tensor with
+        # finfo(float64).min, which overflows); its models run in float16.
+        model, model_name = model_for("tiny", mha, "float32")
+        schedule = Schedule(None, budget, 1, budget, new_tokens=0)
+        form = "authors" if mha else "paper"  # GQA: refkv's authors' form refuses (one cache row per KV head)
+        policy = policies.get("snapkv", window=window, kernel=kernel, pooling=pooling, form=form)
+        manifest, arrays = run_schedule_golden(policy, schedule, dtype="float32", prompt_length=length,
+                                               model=model_name, built=model)
+        theirs = snapkv_authors_kept(module, model, arrays["prompt"], budget, window, kernel, pooling)
+        ours = arrays["kept"][0]  # (L, Hkv, N)
+        row = {"policy": "snapkv", "configuration": label, "model": model_name, "budget": budget, "window": window,
+               "kernel": kernel, "pooling": pooling, "prompt": length, "gqa": not mha, "commit": commit}
+        if mha:
+            candidate = {**manifest, "declare": {"kept_only": True},
+                         "source": {"repository": REPOSITORIES["snapkv"], "commit": commit,
+                                    "code": "snapkv/monkeypatch/snapkv_utils.py SnapKVCluster.update_kv",
+                                    "logits": "not computed by the authors' routine (zeros, not compared: kept_only)"}}
+            write_end_to_end(target / f"{label}.json", candidate,
+                             {"kept": theirs[None], "kept_count": np.full((1, theirs.shape[0]), budget, dtype=np.int64),
+                              "logits": np.zeros_like(arrays["logits"])})
+            row.update(identical=bool(np.array_equal(theirs, ours)), form="authors",
+                       file=f"tests/authors/snapkv/{label}.json")
+        else:
+            # the code keeps one set per query head; refkv's paper form one per KV head (group mean)
+            g = model.config.n_heads // model.config.n_kv_heads
+            grouped = theirs.reshape(theirs.shape[0], -1, g, theirs.shape[-1])  # (L, Hkv, g, N)
+            split = int(sum(len({tuple(x) for x in grouped[layer, h]}) > 1
+                            for layer in range(grouped.shape[0]) for h in range(grouped.shape[1])))
+            equal = int(sum(any(np.array_equal(x, ours[layer, h]) for x in grouped[layer, h])
+                            for layer in range(grouped.shape[0]) for h in range(grouped.shape[1])))
+            row.update(identical=False, form="paper (authors' form refuses GQA)",
+                       note=f"per query head: in {split} of {grouped.shape[0] * grouped.shape[1]} (layer, KV head) "
+                            f"pairs the group's query heads keep different sets; in {equal} one of them equals "
+                            f"refkv's group-mean set", file=None)
+        rows.append(row)
+        print(f"snapkv {label}: {row.get('note') or ('identical' if row['identical'] else 'DIFFERENT')}")
+    write_provenance(target, "snapkv", commit, rows)
+    return rows
+
+
 def write_provenance(target: Path, policy: str, commit: str, rows: list[dict]) -> None:
     obj = {"policy": policy, "repository": REPOSITORIES[policy], "commit": commit,
            "loaded_unmodified": True, "tool": "tools/authors/run_authors.py", "configurations": rows}
     atomic_write(target / "PROVENANCE.json", (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
-RUNNERS = {"hashevict": run_hashevict}
+RUNNERS = {"hashevict": run_hashevict, "snapkv": run_snapkv}
 
 
 def main(argv=None) -> int:
