@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -199,8 +200,10 @@ class AdaKV(Policy):
       for signed scores (KeyDiff, Knorm) is the only form.
     * **Safeguard**: ``floor(alpha * N)`` per head, the protected tokens counting towards it;
       kvpress raises it to at least 1 when ``alpha > 0``. This is kvpress's form of the
-      safeguard; the authors' code (as recalled, not verified here) mixes the allocation with
-      the uniform one instead (see the documentation page).
+      safeguard; the authors' code (FFY0/AdaKV@efe4e2e, ``snapkv_utils.py:303-306, 564-578``)
+      mixes the joint counts with the uniform budget instead, ``round((1 - alpha) c_h +
+      floor(alpha (N - w)))``, over the candidates only, each head's window on top (see the
+      documentation page).
     * **Ties across heads**: equal scores go to the larger position, then to the lower head.
     * **Budget**: ``view.keep`` per head on average: the layer keeps ``keep * Hkv``; a head
       may keep up to every token it holds. With uneven heads the cache holds empty slots
@@ -225,6 +228,15 @@ class AdaKV(Policy):
     )
     in_experiments = False  # uneven caches: the experiments read N real tokens per head
     needs = frozenset({"attention"})
+    #: Each form's source and what proves it (``refkv policies --forms``).
+    forms = MappingProxyType({
+        "paper": {"source": "Feng et al. 2024, Ada-KV, Algorithm 1 with the safeguard floor(alpha N) forced per head",
+                  "proven": "not proven against code: the authors' code mixes the allocation with the uniform one, "
+                            "FFY0/AdaKV@efe4e2e:adaptive_snapkv/monkeypatch/snapkv_utils.py:303-306, 564-578 (no "
+                            "authors' form yet)"},
+        "kvpress": {"source": "kvpress 0.5.5 presses/adakv_press.py (AdaKVPress)",
+                    "proven": "compared with kvpress in tests/interop/test_interop_grid.py"},
+    })
 
     base: Any = "snapkv"
     alpha: float = 0.2

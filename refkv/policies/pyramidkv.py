@@ -10,15 +10,20 @@ average of ``M`` tokens per head to share and the steepness ``beta``,
           \\sum_{l=0}^{L-1} k^{l} = L M,
 
 and each layer selects its tokens by SnapKV's pooled attention of the last ``w`` queries,
-the ``w`` most recent tokens always kept. In the paper's code the schedule shares what the
-window leaves, ``M = N - w`` (``max_capacity_prompt - window_size``), and every layer keeps
-its window on top: layer ``l`` holds ``w + k^l`` tokens per head, ``N`` on average.
+the ``w`` most recent tokens always kept. As in the authors' code (Zefan-Cai/KVCache-Factory
+@c97f9d7, ``pyramidkv/pyramidkv_utils.py:360-370``) the schedule shares what the window
+leaves, ``M = N - w`` (``max_capacity_prompt - window_size``), and every layer keeps its
+window on top: layer ``l`` holds ``w + k^l`` tokens per head, ``N`` on average here. The
+authors' code floors ``M / beta`` and the step, so its layers keep more (``N = 128, w = 8,
+L = 32``: 4016 candidates against 3840), and below a prompt of ``2M`` it keeps ``M`` in every
+layer (lines 373-406); see the documentation page.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -121,11 +126,11 @@ class PyramidKV(Policy):
       non-increasing in the layer (integers by :func:`pyramid_schedule`); kvpress rounds each
       layer on its own, so its total may miss ``N * L`` by up to ``L / 2``, and a one-layer
       model keeps ``2N - N/beta``.
-    * **Window**: the paper's code reserves the window in every layer and schedules the rest
+    * **Window**: the authors' code reserves the window in every layer and schedules the rest
       (``M = N - w``); kvpress schedules the whole budget with the window inside, and falls
       back to ``N`` in every layer when the smallest layer would not hold the window.
     * **Budget check**: the base is checked at ``N``; a layer's budget may be as small as the
-      window (the top layer then keeps only its window, as in the paper's code).
+      window (the top layer then keeps only its window).
     * **Per-token state** and protected tokens are the base's; ``view.budget`` and ``view.keep``
       are the layer's own.
     """
@@ -147,6 +152,16 @@ class PyramidKV(Policy):
     )
     in_experiments = False  # per-layer budgets: the experiments compare policies at one N in every layer
     needs = frozenset({"attention"})
+    #: Each form's source and what proves it (``refkv policies --forms``).
+    forms = MappingProxyType({
+        "paper": {"source": "Cai et al. 2024, PyramidKV, the layer schedule (beta); exact integers summing to N x L "
+                            "(refkv's rounding)",
+                  "proven": "not proven against code: the authors' code floors the step and keeps more, "
+                            "Zefan-Cai/KVCache-Factory@c97f9d7:pyramidkv/pyramidkv_utils.py:360-406 (no authors' form "
+                            "yet)"},
+        "kvpress": {"source": "kvpress 0.5.5 presses/pyramidkv_press.py (PyramidKVPress.get_layer_budget)",
+                    "proven": "compared with kvpress in tests/interop/test_interop_grid.py"},
+    })
 
     base: Any = "snapkv"
     beta: float = 20
