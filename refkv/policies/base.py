@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import ClassVar
 
 import numpy as np
@@ -245,6 +246,9 @@ class Policy:
     nonnegative_scores: ClassVar[bool] = False
     evicts: ClassVar[bool] = True
     in_experiments: ClassVar[bool] = True
+    #: The policy's forms (``"paper"``, ``"authors"``, ``"kvpress"``), each ``{"source": ...,
+    #: "proven": ...}``: where it comes from and what proves it (a policy overrides it).
+    forms: ClassVar[Mapping] = MappingProxyType({})
 
     # -- the protocol ----------------------------------------------------------------
     def check(self, budget: int, config: ModelConfig) -> None:
