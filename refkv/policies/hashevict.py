@@ -92,8 +92,8 @@ def authors_slots(old_slots: np.ndarray, old_positions: np.ndarray, n_new: int, 
                   budget: int | None, sink: int) -> np.ndarray:
     """The slots of the authors' buffer after ``n_new`` tokens were appended: (Hkv, n_old + n_new).
 
-    The authors' cache is a buffer of ``N`` slots (``cache.py:194-247``); the prompt fills
-    slots ``0, 1, ...`` in position order (``cache.py:397-410``); each generated token is
+    The authors' cache is a buffer of ``N`` slots (``cache.py:190-233``); the prompt fills
+    slots ``0, 1, ...`` in position order (``cache.py:395-416``); each generated token is
     written into the slot its eviction freed, or the first empty one (``cache.py:1504-1512``:
     ``argmin`` puts empty slots, scored ``-inf``, first). Both are "the lowest slot no
     survivor holds", which is how the new tokens get theirs here, in position order.
