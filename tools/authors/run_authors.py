@@ -51,7 +51,8 @@ from refkv.oracle.recorder import run_schedule_golden  # noqa: E402
 from refkv.schedule import Schedule  # noqa: E402
 
 #: The repository each policy's authors' code lives in (GitHub owner/name).
-REPOSITORIES = {"hashevict": "minghui-liu/cold-compress", "snapkv": "FasterDecoding/SnapKV"}
+REPOSITORIES = {"hashevict": "minghui-liu/cold-compress", "snapkv": "FasterDecoding/SnapKV",
+                "pyramidkv": "Zefan-Cai/KVCache-Factory"}
 
 
 # -- loading their code ---------------------------------------------------------------------------
@@ -289,13 +290,89 @@ def run_snapkv(repos: Path, out: Path) -> list[dict]:
     return rows
 
 
+# -- PyramidKV: PyramidKVCluster of Zefan-Cai/KVCache-Factory ----------------------------------------
+#: (label, budget N, window w, kernel k, pooling, beta, prompt T), tiny model without GQA, float32:
+#: the pyramid (T >= 2(N - w)), the capped pyramid, the uniform fallback (N <= T < 2(N - w)), no
+#: compression (T < N), another beta, max pooling.
+PYRAMIDKV_CONFIGS = (
+    ("N16-w4-k3-avg-b20-T40", 16, 4, 3, "avg", 20, 40),
+    ("N16-w4-k3-avg-b20-T27", 16, 4, 3, "avg", 20, 27),
+    ("N16-w4-k3-avg-b20-T20", 16, 4, 3, "avg", 20, 20),
+    ("N16-w4-k3-avg-b20-T12", 16, 4, 3, "avg", 20, 12),
+    ("N16-w4-k7-avg-b4-T40", 16, 4, 7, "avg", 4, 40),
+    ("N24-w8-k5-max-b20-T48", 24, 8, 5, "max", 20, 48),
+)
+
+
+def pyramidkv_authors_kept(module, model: Model, prompt, budget, window, kernel, pooling, beta):
+    """What each layer's ``PyramidKVCluster`` keeps after a one-shot prompt: list of (H, keep_l).
+
+    As :func:`snapkv_authors_kept`: refkv's queries and keys (the views of a recording engine; in a
+    one-shot prefill no layer's input depends on an eviction), values carrying the positions.
+    """
+    import torch
+
+    n_layers = model.config.n_layers
+    # a budget of T - 1 makes every layer evict once, so the trace holds each layer's view
+    engine = Engine(model, policies.get("snapkv", window=window, kernel=kernel, pooling=pooling), len(prompt) - 1,
+                    record="views")
+    engine.forward(prompt)
+    kept = []
+    for event in sorted(engine.trace.evictions, key=lambda e: e.layer):
+        view = event.view
+        cluster = module.PyramidKVCluster(num_hidden_layers=n_layers, window_size=window, max_capacity_prompt=budget,
+                                          kernel_size=kernel, pooling={"avg": "avgpool", "max": "maxpool"}[pooling],
+                                          beta=beta, layer_idx=event.layer)
+        keys = torch.from_numpy(view.keys.copy())[None]
+        values = torch.zeros_like(keys)
+        values[..., 0] = torch.from_numpy(view.positions[0].astype(np.float64))
+        _, out = cluster.update_kv(keys, torch.from_numpy(view.queries.copy())[None], values, None, 1)
+        kept.append(np.sort(out[0, :, :, 0].numpy().astype(np.int64), axis=-1))
+    return kept
+
+
+def run_pyramidkv(repos: Path, out: Path) -> list[dict]:
+    folder = checkout(repos, REPOSITORIES["pyramidkv"])
+    commit = commit_of(folder)
+    module = load_module(folder, "pyramidkv/pyramidkv_utils.py", "authors_pyramidkv_utils")
+    target = out / "pyramidkv"
+    target.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for label, budget, window, kernel, pooling, beta, length in PYRAMIDKV_CONFIGS:
+        model, model_name = model_for("tiny", True, "float32")  # float32: as SnapKV's (the same mask code)
+        policy = policies.get("pyramidkv", form="authors", beta=beta,
+                              base_params={"window": window, "kernel": kernel, "pooling": pooling})
+        manifest, arrays = run_schedule_golden(policy, Schedule(None, budget, 1, budget, new_tokens=0),
+                                               dtype="float32", prompt_length=length, model=model_name, built=model)
+        theirs = pyramidkv_authors_kept(module, model, arrays["prompt"], budget, window, kernel, pooling, beta)
+        width = arrays["kept"].shape[-1]
+        kept = np.full(arrays["kept"].shape, -1, dtype=np.int64)
+        for layer, held in enumerate(theirs):
+            kept[0, layer, :, :held.shape[1]] = held[:, :width]
+        counts = np.array([[held.shape[1] for held in theirs]], dtype=np.int64)
+        candidate = {**manifest, "declare": {"kept_only": True},
+                     "source": {"repository": REPOSITORIES["pyramidkv"], "commit": commit,
+                                "code": "pyramidkv/pyramidkv_utils.py PyramidKVCluster.update_kv (query-head path)",
+                                "logits": "not computed by the authors' routine (zeros, not compared: kept_only)"}}
+        write_end_to_end(target / f"{label}.json", candidate,
+                         {"kept": kept, "kept_count": counts, "logits": np.zeros_like(arrays["logits"])})
+        same = bool(np.array_equal(kept, arrays["kept"]) and np.array_equal(counts, arrays["kept_count"]))
+        rows.append({"policy": "pyramidkv", "configuration": label, "model": model_name, "budget": budget,
+                     "window": window, "kernel": kernel, "pooling": pooling, "beta": beta, "prompt": length,
+                     "gqa": False, "kept_per_layer": counts[0].tolist(), "identical": same, "commit": commit,
+                     "file": f"tests/authors/pyramidkv/{label}.json"})
+        print(f"pyramidkv {label}: {counts[0].tolist()} {'identical' if same else 'DIFFERENT'}")
+    write_provenance(target, "pyramidkv", commit, rows)
+    return rows
+
+
 def write_provenance(target: Path, policy: str, commit: str, rows: list[dict]) -> None:
     obj = {"policy": policy, "repository": REPOSITORIES[policy], "commit": commit,
            "loaded_unmodified": True, "tool": "tools/authors/run_authors.py", "configurations": rows}
     atomic_write(target / "PROVENANCE.json", (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
-RUNNERS = {"hashevict": run_hashevict, "snapkv": run_snapkv}
+RUNNERS = {"hashevict": run_hashevict, "snapkv": run_snapkv, "pyramidkv": run_pyramidkv}
 
 
 def main(argv=None) -> int:
