@@ -52,7 +52,7 @@ from refkv.schedule import Schedule  # noqa: E402
 
 #: The repository each policy's authors' code lives in (GitHub owner/name).
 REPOSITORIES = {"hashevict": "minghui-liu/cold-compress", "snapkv": "FasterDecoding/SnapKV",
-                "pyramidkv": "Zefan-Cai/KVCache-Factory"}
+                "pyramidkv": "Zefan-Cai/KVCache-Factory", "adakv": "FFY0/AdaKV"}
 
 
 # -- loading their code ---------------------------------------------------------------------------
@@ -366,13 +366,107 @@ def run_pyramidkv(repos: Path, out: Path) -> list[dict]:
     return rows
 
 
+# -- Ada-KV: AdaptiveSnapKVCluster of FFY0/AdaKV ------------------------------------------------------
+#: (label, budget N, window w, kernel k, pooling, alpha, prompt T): tiny model without GQA, float32.
+ADAKV_CONFIGS = (
+    ("N16-w4-k3-avg-a0.2-T40", 16, 4, 3, "avg", 0.2, 40),
+    ("N16-w4-k3-avg-a0.5-T40", 16, 4, 3, "avg", 0.5, 40),
+    ("N24-w8-k5-avg-a0.2-T48", 24, 8, 5, "avg", 0.2, 48),
+    ("N12-w4-k7-max-a0.2-T40", 12, 4, 7, "max", 0.2, 40),
+    ("N16-w4-k3-avg-a0-T40", 16, 4, 3, "avg", 0.0, 40),
+)
+
+
+def flash_attn_stub() -> None:
+    """The AdaKV module imports ``flash_attn_func`` at load time (``snapkv_utils.py:9``) for its
+    cache's attention, which the selection never calls; a stand-in that refuses to run is
+    registered when the real package is absent (the only stub of this harness)."""
+    if importlib.util.find_spec("flash_attn") is not None:
+        return
+    import types
+
+    stub = types.ModuleType("flash_attn")
+
+    def flash_attn_func(*args, **kwargs):
+        raise RuntimeError("flash_attn stub: the selection routine must not call attention")
+
+    stub.flash_attn_func = flash_attn_func
+    sys.modules["flash_attn"] = stub
+
+
+def adakv_authors_kept(module, model: Model, prompt, budget, window, kernel, pooling, alpha):
+    """What each layer's ``AdaptiveSnapKVCluster`` keeps after a one-shot prompt: per layer, the
+    kept positions of every head (ragged), from refkv's queries and keys (values carry positions)."""
+    import torch
+
+    n_layers = model.config.n_layers
+    engine = Engine(model, policies.get("snapkv", window=window, kernel=kernel, pooling=pooling), len(prompt) - 1,
+                    record="views")
+    engine.forward(prompt)
+    kept = []
+    for event in sorted(engine.trace.evictions, key=lambda e: e.layer):
+        view = event.view
+        cluster = module.AdaptiveSnapKVCluster(window_size=window, kernel_size=kernel,
+                                               pooling={"avg": "avgpool", "max": "maxpool"}[pooling],
+                                               base_capacity=budget, floor_alpha=alpha, skip=0, normalize=None,
+                                               layer_idx=event.layer, num_hidden_layers=n_layers)
+        keys = torch.from_numpy(view.keys.copy())[None]
+        values = torch.zeros_like(keys)
+        values[..., 0] = torch.from_numpy(view.positions[0].astype(np.float64))
+        _, flat = cluster.update_kv(keys, torch.from_numpy(view.queries.copy())[None], values)
+        lengths = cluster.head_lens.tolist()
+        rows = torch.split(flat[:, 0], lengths)
+        kept.append([np.sort(r.numpy().astype(np.int64)) for r in rows])
+    return kept
+
+
+def run_adakv(repos: Path, out: Path) -> list[dict]:
+    folder = checkout(repos, REPOSITORIES["adakv"])
+    commit = commit_of(folder)
+    flash_attn_stub()
+    module = load_module(folder, "adaptive_snapkv/monkeypatch/snapkv_utils.py", "authors_adakv_snapkv_utils")
+    target = out / "adakv"
+    target.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for label, budget, window, kernel, pooling, alpha, length in ADAKV_CONFIGS:
+        model, model_name = model_for("tiny", True, "float32")
+        policy = policies.get("adakv", form="authors", alpha=alpha,
+                              base_params={"window": window, "kernel": kernel, "pooling": pooling})
+        manifest, arrays = run_schedule_golden(policy, Schedule(None, budget, 1, budget, new_tokens=0),
+                                               dtype="float32", prompt_length=length, model=model_name, built=model)
+        theirs = adakv_authors_kept(module, model, arrays["prompt"], budget, window, kernel, pooling, alpha)
+        width = max(arrays["kept"].shape[-1], max(len(r) for layer in theirs for r in layer))
+        kept = np.full((*arrays["kept"].shape[:3], width), -1, dtype=np.int64)
+        for layer, per_head in enumerate(theirs):
+            for h, r in enumerate(per_head):
+                kept[0, layer, h, :len(r)] = r
+        counts = np.array([[max(len(r) for r in layer) for layer in theirs]], dtype=np.int64)
+        candidate = {**manifest, "declare": {"kept_only": True},
+                     "source": {"repository": REPOSITORIES["adakv"], "commit": commit,
+                                "code": "adaptive_snapkv/monkeypatch/snapkv_utils.py AdaptiveSnapKVCluster.update_kv "
+                                        "(gqa_support=False); flash_attn stubbed (imported, never called)",
+                                "logits": "not computed by the authors' routine (zeros, not compared: kept_only)"}}
+        write_end_to_end(target / f"{label}.json", candidate,
+                         {"kept": kept, "kept_count": counts, "logits": np.zeros_like(arrays["logits"])})
+        ours = arrays["kept"]
+        same = bool(ours.shape == kept.shape and np.array_equal(kept, ours))
+        per_head = [[len(r) for r in layer] for layer in theirs]
+        rows.append({"policy": "adakv", "configuration": label, "model": model_name, "budget": budget,
+                     "window": window, "kernel": kernel, "pooling": pooling, "alpha": alpha, "prompt": length,
+                     "gqa": False, "kept_per_head": per_head, "identical": same, "commit": commit,
+                     "file": f"tests/authors/adakv/{label}.json"})
+        print(f"adakv {label}: {per_head} {'identical' if same else 'DIFFERENT'}")
+    write_provenance(target, "adakv", commit, rows)
+    return rows
+
+
 def write_provenance(target: Path, policy: str, commit: str, rows: list[dict]) -> None:
     obj = {"policy": policy, "repository": REPOSITORIES[policy], "commit": commit,
            "loaded_unmodified": True, "tool": "tools/authors/run_authors.py", "configurations": rows}
     atomic_write(target / "PROVENANCE.json", (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
-RUNNERS = {"hashevict": run_hashevict, "snapkv": run_snapkv, "pyramidkv": run_pyramidkv}
+RUNNERS = {"hashevict": run_hashevict, "snapkv": run_snapkv, "pyramidkv": run_pyramidkv, "adakv": run_adakv}
 
 
 def main(argv=None) -> int:
