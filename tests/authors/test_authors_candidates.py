@@ -2,10 +2,13 @@
 
 ``tools/authors/run_authors.py`` loaded the authors' selection code unmodified from their
 repositories (the commit is in each folder's ``PROVENANCE.json``), ran it on refkv's inputs
-and wrote what it kept as candidate goldens (the files beside this test). Here refkv
-regenerates each reference with its authors' form and ``refkv golden check`` compares:
-every round, every layer, ties strict. A second test shows the check can fail: the paper
-form (hashing the key, refkv's tie rule and window) is judged against the same candidates.
+and wrote what it kept as candidate goldens (the files beside this test), and refkv's own
+goldens of the same runs (``reference/<policy>/``: what a backend porting the authors' code
+checks itself against). Here refkv regenerates each reference with its authors' form (it
+must equal the committed one) and ``refkv golden check`` compares: every round, every
+layer, ties strict except where ``torch.topk``'s order of equal values decides. A second
+test shows the check can fail: the paper form of HashEvict (hashing the key, refkv's tie
+rule and window) is judged against the same candidates.
 """
 
 from __future__ import annotations
@@ -76,7 +79,10 @@ def test_authors_code_keeps_what_refkv_authors_form_keeps(provenance, tmp_path, 
     policy = provenance.parent.name
     candidates = sorted(p for p in provenance.parent.glob("*.json") if p.name != "PROVENANCE.json")
     for candidate in candidates:
-        _reference(candidate, tmp_path / "all")
+        fresh = read_end_to_end(_reference(candidate, tmp_path / "all")).arrays
+        committed = read_end_to_end(HERE / "reference" / policy / candidate.name).arrays
+        for name in ("kept", "kept_count", "candidates", "protected"):  # the committed reference is refkv's today
+            np.testing.assert_array_equal(fresh[name], committed[name], err_msg=f"{candidate.name}: {name}")
         strict = tmp_path / ("loose" if TIES_ACCEPTED.get(policy, "\0") in candidate.name else "strict")
         strict.mkdir(exist_ok=True)
         for suffix in (".json", ".npz"):

@@ -189,6 +189,7 @@ def run_hashevict(repos: Path, out: Path) -> list[dict]:
                                 "logits": "not computed by the authors' cache (zeros, not compared: kept_only)"}}
         write_end_to_end(target / f"{label}.json", candidate,
                          {"kept": kept, "kept_count": counts, "logits": np.zeros_like(arrays["logits"])})
+        write_reference(out, "hashevict", label, manifest, arrays)
         same = bool(np.array_equal(kept, arrays["kept"]))
         rows.append({"policy": "hashevict", "configuration": label, "model": model_name, "budget": budget,
                      "prompt": length, "new_tokens": new, "gqa": model.config.n_kv_heads < model.config.n_heads,
@@ -270,6 +271,7 @@ def run_snapkv(repos: Path, out: Path) -> list[dict]:
             write_end_to_end(target / f"{label}.json", candidate,
                              {"kept": theirs[None], "kept_count": np.full((1, theirs.shape[0]), budget, dtype=np.int64),
                               "logits": np.zeros_like(arrays["logits"])})
+            write_reference(out, "snapkv", label, manifest, arrays)
             row.update(identical=bool(np.array_equal(theirs, ours)), form="authors",
                        file=f"tests/authors/snapkv/{label}.json")
         else:
@@ -356,6 +358,7 @@ def run_pyramidkv(repos: Path, out: Path) -> list[dict]:
                                 "logits": "not computed by the authors' routine (zeros, not compared: kept_only)"}}
         write_end_to_end(target / f"{label}.json", candidate,
                          {"kept": kept, "kept_count": counts, "logits": np.zeros_like(arrays["logits"])})
+        write_reference(out, "pyramidkv", label, manifest, arrays)
         same = bool(np.array_equal(kept, arrays["kept"]) and np.array_equal(counts, arrays["kept_count"]))
         rows.append({"policy": "pyramidkv", "configuration": label, "model": model_name, "budget": budget,
                      "window": window, "kernel": kernel, "pooling": pooling, "beta": beta, "prompt": length,
@@ -448,6 +451,7 @@ def run_adakv(repos: Path, out: Path) -> list[dict]:
                                 "logits": "not computed by the authors' routine (zeros, not compared: kept_only)"}}
         write_end_to_end(target / f"{label}.json", candidate,
                          {"kept": kept, "kept_count": counts, "logits": np.zeros_like(arrays["logits"])})
+        write_reference(out, "adakv", label, manifest, arrays)
         ours = arrays["kept"]
         same = bool(ours.shape == kept.shape and np.array_equal(kept, ours))
         per_head = [[len(r) for r in layer] for layer in theirs]
@@ -458,6 +462,14 @@ def run_adakv(repos: Path, out: Path) -> list[dict]:
         print(f"adakv {label}: {per_head} {'identical' if same else 'DIFFERENT'}")
     write_provenance(target, "adakv", commit, rows)
     return rows
+
+
+def write_reference(out: Path, policy: str, label: str, manifest: dict, arrays: dict) -> None:
+    """refkv's own golden of the run (its authors' form), beside the candidates: what a backend
+    that ports the authors' code checks itself against (``tests/authors/reference/<policy>/``)."""
+    folder = out / "reference" / policy
+    folder.mkdir(parents=True, exist_ok=True)
+    write_end_to_end(folder / f"{label}.json", manifest, arrays)
 
 
 def write_provenance(target: Path, policy: str, commit: str, rows: list[dict]) -> None:
