@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -37,13 +38,43 @@ from .caote import normalise
 from .card import PolicyCard
 from .full import Full
 
-__all__ = ["FORMS", "AdaKV", "allocate", "build_base", "head_view", "safeguard"]
+__all__ = ["FORMS", "AdaKV", "allocate", "authors_allocation", "build_base", "head_view", "safeguard"]
 
 #: ``"paper"``: each head's base scores normalised to sum to 1 (the attention weights the
 #: paper's bound is stated for) and a safeguard of ``floor(alpha * N)``; ``"kvpress"``:
 #: kvpress's ``AdaKVPress``, raw base scores compared across heads and a safeguard of at
 #: least one token when ``alpha > 0``.
-FORMS = ("paper", "kvpress")
+FORMS = ("paper", "kvpress", "authors")
+#: The authors' code ``form="authors"`` reproduces (Ada-SnapKV, without ``gqa_support``).
+AUTHORS_SOURCE = ("FFY0/AdaKV@efe4e2eea0099bf497f0c175ac5440a915d89f83:adaptive_snapkv/monkeypatch/snapkv_utils.py:"
+                  "297-370, 507-610 (AdaptiveSnapKVCluster.update_kv_wo_gqa)")
+
+
+def authors_allocation(candidates: np.ndarray, share: int, alpha: float) -> np.ndarray:
+    """Candidates each head keeps in the authors' Ada-SnapKV: (Hkv,) int64.
+
+    ``snapkv_utils.py:303-306, 564-578`` at efe4e2e: the joint top ``H * B'`` of every head's
+    candidate scores (``B' = N - w``, the window excluded) counted per head, ``c_h``, then
+    ``round((1 - alpha) * c_h + int(B' * alpha))`` in float32 (``torch.round``: half to even).
+    Ties across heads are given to the lower head, then the earlier token (``torch.topk``
+    orders equal values by no stable rule).
+
+    Parameters
+    ----------
+    candidates : (Hkv, C) float array
+        Each head's scores of its candidates (the tokens before the window).
+    share : int
+        ``B'``, at most ``C``.
+    alpha : float
+    """
+    hkv, c = candidates.shape
+    flat = candidates.ravel()
+    heads = np.repeat(np.arange(hkv), c)
+    order = np.lexsort((np.tile(np.arange(c), hkv), heads, -flat))
+    counts = np.bincount(heads[order[:hkv * share]], minlength=hkv)
+    floor = int(share * alpha)
+    mixed = counts.astype(np.float32) * np.float32(1 - alpha) + np.float32(floor)
+    return np.round(mixed).astype(np.int64)
 
 
 def build_base(base, base_params, owner: str, refuse: tuple[str, ...] = ()) -> Policy:
@@ -183,8 +214,11 @@ class AdaKV(Policy):
         refused.
     alpha : float, default 0.2
         The safeguard fraction, ``0 <= alpha <= 1`` (kvpress's ``alpha_safeguard`` default).
-    form : {"paper", "kvpress"}, default "paper"
-        See :data:`FORMS`.
+    form : {"paper", "kvpress", "authors"}, default "paper"
+        See :data:`FORMS`. ``"authors"``: FFY0/AdaKV@efe4e2e's Ada-SnapKV (``update_kv_wo_gqa``):
+        for a one-shot prompt each head keeps :func:`authors_allocation`'s count of its
+        candidates plus its window, scored by SnapKV's authors' form (one query head per KV
+        head); later evictions keep every token. Needs ``base="snapkv"``.
     base_params : dict, optional
         Parameters of the base when ``base`` is a name (``adakv:base=snapkv`` and
         ``--param "base_params={'window': 8}"`` on the command line).
@@ -199,8 +233,10 @@ class AdaKV(Policy):
       for signed scores (KeyDiff, Knorm) is the only form.
     * **Safeguard**: ``floor(alpha * N)`` per head, the protected tokens counting towards it;
       kvpress raises it to at least 1 when ``alpha > 0``. This is kvpress's form of the
-      safeguard; the authors' code (as recalled, not verified here) mixes the allocation with
-      the uniform one instead (see the documentation page).
+      safeguard; the authors' code (FFY0/AdaKV@efe4e2e, ``snapkv_utils.py:303-306, 564-578``)
+      mixes the joint counts with the uniform budget instead, ``round((1 - alpha) c_h +
+      floor(alpha (N - w)))``, over the candidates only, each head's window on top (see the
+      documentation page).
     * **Ties across heads**: equal scores go to the larger position, then to the lower head.
     * **Budget**: ``view.keep`` per head on average: the layer keeps ``keep * Hkv``; a head
       may keep up to every token it holds. With uneven heads the cache holds empty slots
@@ -225,6 +261,17 @@ class AdaKV(Policy):
     )
     in_experiments = False  # uneven caches: the experiments read N real tokens per head
     needs = frozenset({"attention"})
+    #: Each form's source and what proves it (``refkv policies --forms``).
+    forms = MappingProxyType({
+        "paper": {"source": "Feng et al. 2024, Ada-KV, Algorithm 1 with the safeguard floor(alpha N) forced per head",
+                  "proven": "not proven against code: the authors' code mixes the allocation with the uniform one "
+                            "(form='authors')"},
+        "authors": {"source": AUTHORS_SOURCE,
+                    "proven": "identical on 5 configurations without GQA (tests/authors/adakv/; max pooling up to "
+                              "exact torch.topk ties)"},
+        "kvpress": {"source": "kvpress 0.5.5 presses/adakv_press.py (AdaKVPress)",
+                    "proven": "compared with kvpress in tests/interop/test_interop_grid.py"},
+    })
 
     base: Any = "snapkv"
     alpha: float = 0.2
@@ -234,7 +281,12 @@ class AdaKV(Policy):
     def __post_init__(self):
         check_float("alpha", self.alpha, 0.0, 1.0)
         check_choice("form", self.form, FORMS)
-        base = build_base(self.base, self.base_params, "adakv", refuse=("adakv", "caote"))
+        params = self.base_params
+        if self.form == "authors":  # Ada-SnapKV: the SnapKV code's scores
+            if self.base != "snapkv":
+                raise ValueError(f"form='authors' is the authors' Ada-SnapKV: base must be 'snapkv', got {self.base!r}")
+            params = {**(params or {}), "form": "authors"}
+        base = build_base(self.base, params, "adakv", refuse=("adakv", "caote"))
         # Ada-Pyramid: pyramidkv's scores are its own base's
         scorer = base.base_policy if base.name == "pyramidkv" else base
         if self.form == "paper" and not scorer.nonnegative_scores:
@@ -278,13 +330,19 @@ class AdaKV(Policy):
             out[name] = array
         return out
 
+    @staticmethod
+    def _prompt(view: View) -> bool:
+        return len(view.query_positions) == view.n
+
     def score(self, view: View) -> np.ndarray:
         """(Hkv, n) the base's scores, normalised per head (``form="paper"``); ``-inf`` in empty slots."""
         if _uneven(view):
             base = _per_head(view, self._base.score, -np.inf)
         else:
             base = np.asarray(self._base.score(view))
-        if self.form == "kvpress":
+        if self.form == "authors" and not self._prompt(view):
+            return np.zeros(view.positions.shape)  # decoding: every token is kept (head_budgets)
+        if self.form in ("kvpress", "authors"):
             return base
         lengths = view.head_lengths
         out = np.full(base.shape, -np.inf, dtype=np.result_type(base.dtype, np.float32))
@@ -293,6 +351,8 @@ class AdaKV(Policy):
         return out
 
     def protected(self, view: View) -> np.ndarray:
+        if self.form == "authors" and not self._prompt(view):
+            return np.zeros(view.positions.shape, dtype=bool)
         if _uneven(view):
             return _per_head(view, self._base.protected, False)
         return np.asarray(self._base.protected(view), dtype=bool)
@@ -300,5 +360,16 @@ class AdaKV(Policy):
     def head_budgets(self, view: View) -> np.ndarray:
         """(Hkv,) tokens each head keeps: :func:`allocate` of the layer's ``view.keep * Hkv``."""
         lengths = view.head_lengths
+        if self.form == "authors":
+            return self._authors_budgets(view, lengths)
         return allocate(self.score(view), view.positions, self.protected(view), lengths,
                         view.keep * view.n_kv_heads, safeguard(view.keep, self.alpha, self.form))
+
+    def _authors_budgets(self, view: View, lengths: np.ndarray) -> np.ndarray:
+        """The authors' counts (window on top) for a one-shot prompt; every token otherwise."""
+        window = int(self._base.window)
+        share, n_candidates = view.keep - window, view.n - window
+        if not self._prompt(view) or share > n_candidates:  # decoding, or snapkv_utils.py:557-560
+            return lengths
+        scores = np.asarray(self.score(view))[:, :n_candidates]
+        return np.minimum(authors_allocation(scores, share, self.alpha) + window, lengths)

@@ -10,15 +10,20 @@ average of ``M`` tokens per head to share and the steepness ``beta``,
           \\sum_{l=0}^{L-1} k^{l} = L M,
 
 and each layer selects its tokens by SnapKV's pooled attention of the last ``w`` queries,
-the ``w`` most recent tokens always kept. In the paper's code the schedule shares what the
-window leaves, ``M = N - w`` (``max_capacity_prompt - window_size``), and every layer keeps
-its window on top: layer ``l`` holds ``w + k^l`` tokens per head, ``N`` on average.
+the ``w`` most recent tokens always kept. As in the authors' code (Zefan-Cai/KVCache-Factory
+@c97f9d7, ``pyramidkv/pyramidkv_utils.py:360-370``) the schedule shares what the window
+leaves, ``M = N - w`` (``max_capacity_prompt - window_size``), and every layer keeps its
+window on top: layer ``l`` holds ``w + k^l`` tokens per head, ``N`` on average here. The
+authors' code floors ``M / beta`` and the step, so its layers keep more (``N = 128, w = 8,
+L = 32``: 4016 candidates against 3840), and below a prompt of ``2M`` it keeps ``M`` in every
+layer (lines 373-406); see the documentation page.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -30,11 +35,57 @@ from .adakv import build_base
 from .base import AttentionNeed, Policy, View, register
 from .card import PolicyCard
 
-__all__ = ["FORMS", "PyramidKV", "kvpress_schedule", "pyramid_schedule"]
+__all__ = ["FORMS", "PyramidKV", "factory_keep", "kvpress_schedule", "pyramid_schedule"]
 
 #: ``"paper"``: :func:`pyramid_schedule` of ``N - w`` plus the window, summing to ``N * L``
-#: exactly; ``"kvpress"``: :func:`kvpress_schedule`, kvpress's ``PyramidKVPress``.
-FORMS = ("paper", "kvpress")
+#: exactly; ``"kvpress"``: :func:`kvpress_schedule`, kvpress's ``PyramidKVPress``;
+#: ``"authors"``: the authors' ``PyramidKVCluster`` (:func:`factory_keep`, SnapKV's authors' form).
+FORMS = ("paper", "kvpress", "authors")
+#: The authors' code ``form="authors"`` reproduces.
+AUTHORS_SOURCE = ("Zefan-Cai/KVCache-Factory@c97f9d706d63d1b56e980f8b81b2a924c21162b3:"
+                  "pyramidkv/pyramidkv_utils.py:348-438 (PyramidKVCluster.update_kv, query-head path)")
+
+
+def factory_keep(budget: int, window: int, n_layers: int, beta: float, layer: int, prompt: int) -> int:
+    """Tokens per head the authors' ``PyramidKVCluster`` keeps in ``layer`` after a prompt of ``prompt``.
+
+    KVCache-Factory@c97f9d7, ``pyramidkv/pyramidkv_utils.py:360-406``, with ``M = N - w``:
+    ``min_num = M // beta``, ``max_num = 2M - min_num``; if ``max_num >= T - w`` then
+    ``max_num = T - w`` and ``min_num = 2M - max_num``; ``steps = (max_num - min_num) // (L - 1)``.
+    A prompt ``T < N`` is not compressed (``T``); ``N <= T < 2M`` keeps ``M`` candidates plus the
+    window (``N``); otherwise ``max_num - layer * steps`` candidates plus the window. Python's
+    floor division throughout, as the code's.
+
+    Parameters
+    ----------
+    budget, window : int
+        ``max_capacity_prompt`` and ``window_size``; ``budget > window >= 1``.
+    n_layers : int
+        ``L >= 2`` (the code divides by ``L - 1``).
+    beta : float
+    layer : int
+    prompt : int
+        ``T``, the prompt's length.
+    """
+    budget, window = check_int("budget", budget, 2), check_int("window", window, 1, budget - 1)
+    n_layers = check_int("n_layers", n_layers, 2)
+    layer, prompt = check_int("layer", layer, 0, n_layers - 1), check_int("prompt", prompt, 0)
+    share = budget - window
+    low = share // beta
+    high = share * 2 - low
+    if high >= prompt - window:
+        high = prompt - window
+        low = share * 2 - high
+    steps = (high - low) // (n_layers - 1)
+    if prompt < budget:
+        return prompt
+    if prompt < share * 2:
+        return budget
+    keep = high - layer * steps
+    if not 0 <= keep <= prompt - window:
+        raise ValueError(f"the authors' schedule gives layer {layer} {keep} candidates of {prompt - window} "
+                         f"(budget={budget}, window={window}, beta={beta}): torch.topk would refuse it")
+    return int(keep) + window
 
 
 def pyramid_schedule(total: int, n_layers: int, beta: float) -> list[int]:
@@ -124,8 +175,13 @@ class PyramidKV(Policy):
     beta : float, default 20
         The steepness, ``>= 1``: the top layer gets ``1/beta`` of the average (the paper's
         and kvpress's default, 20).
-    form : {"paper", "kvpress"}, default "paper"
-        See :data:`FORMS`.
+    form : {"paper", "kvpress", "authors"}, default "paper"
+        See :data:`FORMS`. ``"authors"`` reproduces KVCache-Factory@c97f9d7's ``PyramidKVCluster``
+        (query-head path): a one-shot prompt of ``T >= N`` is compressed once, layer ``l``
+        keeping :func:`factory_keep` tokens per head (floored schedule, uniform ``N`` for
+        ``T < 2(N - w)``, the window on top), scored by SnapKV's authors' form (so one query head
+        per KV head, float32 softmax); later evictions keep every token (the code never evicts
+        while decoding). Needs ``base="snapkv"``.
     base_params : dict, optional
         Parameters of the base when it is a name.
 
@@ -135,7 +191,7 @@ class PyramidKV(Policy):
       non-increasing in the layer (integers by :func:`pyramid_schedule`); kvpress rounds each
       layer on its own, so its total may miss ``N * L`` by up to ``L / 2``, and a one-layer
       model keeps ``2N - N/beta``.
-    * **Window**: the paper's code reserves the window in every layer and schedules the rest
+    * **Window**: the authors' code reserves the window in every layer and schedules the rest
       (``M = N - w``); kvpress schedules the whole budget with the window inside, and falls
       back to ``N`` in every layer when the smallest layer would not hold the window.
     * **The prompt's length** (``form="kvpress"`` only): kvpress caps the bottom layer at the
@@ -167,6 +223,18 @@ class PyramidKV(Policy):
     )
     in_experiments = False  # per-layer budgets: the experiments compare policies at one N in every layer
     needs = frozenset({"attention"})
+    #: Each form's source and what proves it (``refkv policies --forms``).
+    forms = MappingProxyType({
+        "paper": {"source": "Cai et al. 2024, PyramidKV, the layer schedule (beta); exact integers summing to N x L "
+                            "(refkv's rounding)",
+                  "proven": "not proven against code: the authors' code floors the step and keeps more "
+                            "(form='authors')"},
+        "authors": {"source": AUTHORS_SOURCE,
+                    "proven": "identical on 6 configurations without GQA (tests/authors/pyramidkv/; max pooling up "
+                              "to exact torch.topk ties)"},
+        "kvpress": {"source": "kvpress 0.5.5 presses/pyramidkv_press.py (PyramidKVPress.get_layer_budget)",
+                    "proven": "compared with kvpress in tests/interop/test_interop_grid.py"},
+    })
 
     base: Any = "snapkv"
     beta: float = 20
@@ -176,7 +244,13 @@ class PyramidKV(Policy):
     def __post_init__(self):
         check_float("beta", self.beta, 1.0)
         check_choice("form", self.form, FORMS)
-        base = build_base(self.base, self.base_params, "pyramidkv", refuse=("adakv", "pyramidkv"))
+        params = self.base_params
+        if self.form == "authors":  # the code's scores are SnapKV's authors' form
+            if self.base != "snapkv":
+                raise ValueError(f"form='authors' runs over the authors' SnapKV scores: base must be 'snapkv', "
+                                 f"got {self.base!r}")
+            params = {**(params or {}), "form": "authors"}
+        base = build_base(self.base, params, "pyramidkv", refuse=("adakv", "pyramidkv"))
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "needs", frozenset(base.needs))
 
@@ -203,6 +277,10 @@ class PyramidKV(Policy):
         """
         if self.form == "kvpress":
             return kvpress_schedule(budget, n_layers, self.beta, self.window, tokens)
+        if self.form == "authors":
+            # when to evict: above N in every layer (the code compresses a prompt of at least N, and
+            # one of exactly N keeps it whole); how many the layer keeps: head_budgets (factory_keep)
+            return [budget] * n_layers
         w = min(self.window, budget)
         return [w + k for k in pyramid_schedule(budget - w, n_layers, self.beta)]
 
@@ -226,8 +304,26 @@ class PyramidKV(Policy):
     def observe(self, view: View) -> dict[str, np.ndarray]:
         return self._base.observe(view)
 
+    def head_budgets(self, view: View) -> np.ndarray:
+        """Even budgets (the base's default), or in ``form="authors"`` :func:`factory_keep` of the
+        prompt for a one-shot prompt and every token while decoding (the code never evicts then)."""
+        if self.form != "authors":
+            return super().head_budgets(view)
+        if not self._prompt(view):
+            return view.head_lengths
+        keep = factory_keep(view.budget, self.window, view.n_layers, self.beta, view.layer, view.n)
+        return np.minimum(keep, view.head_lengths)
+
+    @staticmethod
+    def _prompt(view: View) -> bool:
+        return len(view.query_positions) == view.n
+
     def score(self, view: View) -> np.ndarray:
+        if self.form == "authors" and not self._prompt(view):
+            return np.zeros(view.positions.shape)  # every token is kept (head_budgets): no decision
         return self._base.score(view)
 
     def protected(self, view: View) -> np.ndarray:
+        if self.form == "authors" and not self._prompt(view):
+            return np.zeros(view.positions.shape, dtype=bool)
         return self._base.protected(view)

@@ -14,18 +14,59 @@ window's queries.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
 from ..model.config import ModelConfig
-from ..validation import MAX_CONTEXT
+from ..validation import MAX_CONTEXT, check_choice
 from .base import AttentionNeed, Policy, View, check_int, recent_tokens, register
 from .card import PolicyCard
 
-__all__ = ["POOLINGS", "SnapKV", "pool1d", "window_attention"]
+__all__ = ["FORMS", "POOLINGS", "SnapKV", "authors_window_sums", "pool1d", "window_attention"]
 
 #: Pooling modes of :func:`pool1d`.
 POOLINGS = ("avg", "max")
+#: ``"paper"``: the group-mean window attention of refkv's engine; ``"authors"``: the SnapKV
+#: code's ``SnapKVCluster.update_kv`` (see :class:`SnapKV`).
+FORMS = ("paper", "authors")
+#: The authors' code this form reproduces.
+AUTHORS_SOURCE = ("FasterDecoding/SnapKV@e216ddc84c5bd210378cbdbbba12ba02102aa640:"
+                  "snapkv/monkeypatch/snapkv_utils.py:38-70 (SnapKVCluster.update_kv)")
+
+
+def authors_window_sums(queries: np.ndarray, keys: np.ndarray, window: int) -> np.ndarray:
+    """The SnapKV code's window attention, summed over the window's queries: (H, n).
+
+    ``snapkv_utils.py:45-55`` at e216ddc: logits of the last ``w`` queries against every key,
+    ``q k^T / sqrt(d)`` in the model dtype; ``finfo(dtype).min`` added above the diagonal of
+    the window's own ``w x w`` block (the causal mask, lines 46-52); softmax **in float32**
+    (``softmax(..., dtype=torch.float32)``) cast back to the model dtype (line 54); summed
+    over the window's queries. One key head per query head (the code repeats the KV heads
+    before it is called: ``repeat_kv``, ``mistral_hijack_4_37.py:97-98``).
+
+    Parameters
+    ----------
+    queries : (H, T, d)
+        The prompt's queries (after RoPE), ``T >= window``.
+    keys : (H, T, d)
+        One key head per query head.
+    window : int
+
+    Returns
+    -------
+    (H, T) array of the queries' dtype; the last ``window`` columns are the window's own.
+    """
+    dtype = queries.dtype
+    q = queries[:, -window:, :]
+    logits = (q @ np.swapaxes(keys, -1, -2)) / dtype.type(np.sqrt(queries.shape[-1]))  # (H, w, T)
+    future = np.triu(np.ones((window, window), dtype=bool), k=1)  # mask_cond < (mask_cond + 1).T
+    block = logits[..., -window:]
+    logits[..., -window:] = np.where(future, block + np.finfo(dtype).min, block)
+    x = logits.astype(np.float32)
+    x = np.exp(x - x.max(axis=-1, keepdims=True))
+    weights = (x / x.sum(axis=-1, keepdims=True)).astype(dtype)
+    return weights.sum(axis=-2)
 
 
 def window_attention(attention_by_kv_head: np.ndarray, window: int) -> np.ndarray:
@@ -108,6 +149,8 @@ class SnapKV(Policy):
     pooling : {"avg", "max"}, default "avg"
         Average pooling (the seed papers) or max pooling (also offered by the SnapKV code).
         Padding rule: :func:`pool1d`.
+    form : {"paper", "authors"}, default "paper"
+        ``"authors"``: the decisions of the SnapKV code (below).
 
     Notes
     -----
@@ -128,6 +171,19 @@ class SnapKV(Policy):
       queries' attention was not kept), so the window shrinks; with ``B = 1`` (token
       generation) SnapKV becomes the last query's pooled attention, TOVA smoothed, while
       the last ``w`` tokens stay protected.
+    * **Authors' form** (``form="authors"``, FasterDecoding/SnapKV@e216ddc,
+      ``snapkv_utils.py:38-70``): the prompt is compressed once, when it is processed
+      (``q_len >= max_capacity_prompt``, line 42; decoding never evicts), **per query head**
+      (the KV heads are repeated before the call, ``mistral_hijack_4_37.py:97-98``), with
+      the weights recomputed as :func:`authors_window_sums` does (a float32 softmax); the
+      top ``N - w`` pooled candidates (``topk``, line 62) plus the window are kept. refkv's
+      cache holds one row per KV head, so the form needs one query head per KV head
+      (``g = 1``; a GQA model is refused: the code's cache there is one per query head) and
+      the whole prompt as one block (a later eviction is refused). Ties: ``torch.topk``'s
+      order among equal values is not a documented or stable rule (on torch 2.13 CPU,
+      ``topk`` of five equal values with ``k = 2`` returns indices 2 and 4), so refkv keeps
+      its own tie rule; exact ties (frequent with max pooling) are accepted as ties by
+      ``refkv golden check``.
     * **Cost**: it reads the window's ``w`` rows of the weights (:meth:`attention_need`),
       so the engine forms the weights of the query tiles that hold them only; in one-shot
       prefill of ``T`` tokens that is ``O(T x max(w, tile))`` weights per head, not ``T^2``.
@@ -148,10 +204,21 @@ class SnapKV(Policy):
     needs = frozenset({"attention"})
     #: Scores are pooled attention weights, >= 0 (CAOTE may wrap this policy).
     nonnegative_scores = True
+    #: Each form's source and what proves it (``refkv policies --forms``).
+    forms = MappingProxyType({
+        "paper": {"source": "Li et al. 2024, SnapKV, Sec. 4 and Listing 1 (window, pooling, top-k); "
+                            "KeyDiff App. A.1, B.2 (w = 32, k = 7, GQA group mean)",
+                  "proven": "not proven against code (the code selects per query head: see form='authors'); "
+                            "on one query head per KV head and average pooling the two forms agree up to the "
+                            "float32 softmax"},
+        "authors": {"source": AUTHORS_SOURCE,
+                    "proven": "identical on the MHA configurations of tests/authors/snapkv/"},
+    })
 
     window: int = 32
     kernel: int = 7
     pooling: str = "avg"
+    form: str = "paper"
 
     def __post_init__(self):
         check_int("window", self.window, 1, MAX_CONTEXT)
@@ -160,6 +227,9 @@ class SnapKV(Policy):
             raise ValueError(f"kernel must be odd (output aligned with the tokens), got {self.kernel}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        check_choice("form", self.form, FORMS)
+        if self.form == "authors":  # the code recomputes the weights from queries and keys
+            object.__setattr__(self, "needs", frozenset({"queries", "keys"}))
 
     def check(self, budget: int, config: ModelConfig) -> None:
         if self.window >= budget:
@@ -170,11 +240,27 @@ class SnapKV(Policy):
         return AttentionNeed(rows=self.window)
 
     def score(self, view: View) -> np.ndarray:
-        summed = window_attention(view.attention_last_rows(self.window).mean(axis=1), self.window)
+        if self.form == "authors":
+            summed = self._authors_sums(view)
+        else:
+            summed = window_attention(view.attention_last_rows(self.window).mean(axis=1), self.window)
         prefix = max(summed.shape[-1] - self.window, 0)
         scores = summed.copy()
         scores[..., :prefix] = pool1d(summed[..., :prefix], self.kernel, self.pooling)
         return scores
+
+    def _authors_sums(self, view: View) -> np.ndarray:
+        """:func:`authors_window_sums` of the view, in the code's regime only (see Notes)."""
+        b = len(view.query_positions)
+        if view.group_size != 1:
+            raise ValueError(f"snapkv form='authors' selects per query head (the SnapKV code repeats the KV heads "
+                             f"first), which a cache of {view.n_kv_heads} KV heads for {view.queries.shape[0]} query "
+                             f"heads cannot hold; use a model with one query head per KV head")
+        if b != view.n or b < self.window:
+            raise ValueError(f"snapkv form='authors' compresses the prompt once, as one block of at least window="
+                             f"{self.window} tokens (the SnapKV code never evicts while decoding); got a block of {b} "
+                             f"over {view.n} cached tokens: prefill one-shot and leave decoding uncompressed")
+        return authors_window_sums(view.queries, view.keys, self.window)
 
     def protected(self, view: View) -> np.ndarray:
         return recent_tokens(view, self.window)
