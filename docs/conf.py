@@ -95,7 +95,8 @@ sphinx_gallery_conf = {
 }
 
 templates_path = []
-exclude_patterns = ["_build", "_inventories", "**/example_*.py", "policies/authors_table_*.rst"]  # included by the index
+# the authors' tables are included by the policies index, not pages of their own
+exclude_patterns = ["_build", "_inventories", "**/example_*.py", "policies/authors_table_*.rst"]
 html_theme = "alabaster"
 html_static_path = ["_static"]
 # Code blocks scroll sideways instead of being cut, tables scroll inside the column, the

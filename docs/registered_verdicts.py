@@ -130,9 +130,20 @@ NAMES = {"keydiff": "KeyDiff", "snapkv": "SnapKV", "tova": "TOVA", "h2o": "H2O",
          "bits=32": "32 bits", "bits=8": "8 bits", "spearman": "Spearman rho"}
 
 
+#: A passkey comparison whose two sides' mean accuracy lies outside this band (phase two's
+#: floor check, docs/experiment_registration_phase2.json) is shown "not testable (floor)" or
+#: "(ceiling)": a deviation after phase one's run (issue 35; deviation 7 of
+#: docs/guide/registration.rst). ``verdicts.csv`` keeps the registered rule's output unchanged.
+FLOOR_BAND = (0.1, 0.9)
+
+#: Claims whose paper effect is on another metric or task: no larger/smaller label (issue 35).
+NOT_COMPARABLE = {"P1": "the paper's number is PassageRetrieval-en, another task, at another budget ratio",
+                  "L1": "the paper's number is the LongBench score, not perplexity",
+                  "H1": "the paper's number is GSM8K Rouge-L, not perplexity"}
+
 #: The table's short form of :func:`refkv.experiments.registered.versus_paper`'s wording.
 AGAINST = {"larger than the paper": "larger", "smaller than the paper": "smaller",
-           "consistent with the paper": "consistent"}
+           "consistent with the paper": "consistent", "not comparable": "not comparable"}
 
 
 def _read(path: Path) -> list[dict]:
@@ -172,6 +183,28 @@ def _hypothesis(claim: dict, row: dict) -> str:
     return f"{a} - {NAMES.get(row['b'], row['b'])} {claim['direction'].replace('A - B ', '')}"
 
 
+def _accuracies(folder: Path | dict) -> dict[tuple, float]:
+    """Per passkey comparison of ``units.csv``: the mean accuracy of its two sides."""
+    out: dict[tuple, list] = {}
+    for r in _rows(folder, "units.csv"):
+        if r["value_a"] in ("True", "False"):
+            out.setdefault((r["claim"], r["a"], r["b"]), []).extend([r["value_a"] == "True", r["value_b"] == "True"])
+    return {key: sum(v) / len(v) for key, v in out.items()}
+
+
+def _relabel(row: dict, accuracy: dict[tuple, float]) -> dict:
+    """A verdict row as the page shows it: a passkey comparison outside :data:`FLOOR_BAND`
+    is "not testable (floor)" or "(ceiling)", and a paper comparison made across metrics is
+    "not comparable" (:data:`NOT_COMPARABLE`)."""
+    row = dict(row)
+    mean = accuracy.get((row["claim"], row["a"], row["b"]))
+    if mean is not None and not FLOOR_BAND[0] <= mean <= FLOOR_BAND[1]:
+        row["verdict"] = "not testable (floor)" if mean < FLOOR_BAND[0] else "not testable (ceiling)"
+    if row["claim"] in NOT_COMPARABLE:
+        row["versus_paper"], row["paper_effect"] = "not comparable", ""
+    return row
+
+
 def verdict_block(folder: Path | dict, design: dict) -> str:
     """The results page's verdicts, from ``verdicts.csv`` alone: one sentence per claim in
     plain words, then the table (claim, registered hypothesis, n, estimate, 95% interval,
@@ -181,6 +214,8 @@ def verdict_block(folder: Path | dict, design: dict) -> str:
         return ("The registered run's verdicts are not published yet: "
                 "``python docs/registered_verdicts.py RESULTS`` writes them here from the run's records.\n")
     claims = {claim["id"]: claim for claim in design["claims"]}
+    accuracy = _accuracies(folder)
+    rows = [_relabel(r, accuracy) for r in rows]
     lines = []
     for claim_id, claim in claims.items():
         mine = [r for r in rows if r["claim"] == claim_id]
@@ -188,14 +223,28 @@ def verdict_block(folder: Path | dict, design: dict) -> str:
             lines.append(f"* **{claim['claim']}** ({claim_id}): not run.")
             continue
         parts = []
-        for verdict in ("holds", "reversed", "not resolved"):
+        for verdict in ("holds", "reversed", "not resolved", "not testable (floor)", "not testable (ceiling)"):
             these = [r for r in mine if r["verdict"] == verdict]
             if these:
                 what = "; ".join(f"{_hypothesis(claim, r).rsplit(' ', 2)[0]} {_number(r['estimate'])} "
                                  f"[{_number(r['low'])}, {_number(r['high'])}]"
                                  + (f", {r['versus_paper']}" if r["versus_paper"] else "") for r in these)
                 parts.append(f"**{verdict}** ({what})")
-        lines.append(f"* **{claim['claim']}** ({claim_id}): {'; '.join(parts)}.")
+        notes = []
+        if any(r["verdict"].startswith("not testable") for r in mine):
+            notes.append(f"not testable: the mean accuracy of its two sides lies outside "
+                         f"[{FLOOR_BAND[0]}, {FLOOR_BAND[1]}] (phase two's floor check), so the test rests on "
+                         "a handful of discordant prompts or none; relabelled after the run")
+        if claim_id in NOT_COMPARABLE:
+            notes.append(f"no paper comparison: {NOT_COMPARABLE[claim_id]}")
+        if claim_id == "L1":
+            notes.append("'reversed' is on perplexity, which the paper does not claim")
+        if claim_id == "A1":
+            notes.append("L2 here is knorm with no sink or recent window while HashEvict keeps 4 + 10 tokens; "
+                         "an exploratory run with matched protection shrank the gap from -0.069 to -0.017, so "
+                         "phase two makes the matched comparison primary (:doc:`registration`)")
+        note = f" ({'; '.join(notes)})" if notes else ""
+        lines.append(f"* **{claim['claim']}** ({claim_id}): {'; '.join(parts)}{note}.")
     table = [".. list-table:: The registered verdicts (``verdicts.csv``); intervals are 95%, p is Holm-adjusted "
              "within each claim",
              "   :header-rows: 1", "   :widths: 5 27 9 9 16 8 9 9 8", "",
@@ -243,7 +292,8 @@ def run_block(folder: Path | dict) -> str:
 SHORT_MEASURES = {"G1": "Spearman rho, key distinctness vs attention",
                   "G2": "mean log det(K^T K) of the kept keys", "S1": "Pearson r, attention vs SimHash"}
 #: Colours of the verdicts in the figure.
-VERDICT_COLORS = {"holds": "tab:green", "reversed": "tab:red", "not resolved": "0.45"}
+VERDICT_COLORS = {"holds": "tab:green", "reversed": "tab:red", "not resolved": "0.45",
+                  "not testable (floor)": "0.75", "not testable (ceiling)": "0.75"}
 
 
 def verdicts_svg(folder: Path | dict = OUT) -> bytes | None:
@@ -258,7 +308,8 @@ def verdicts_svg(folder: Path | dict = OUT) -> bytes | None:
     import matplotlib.pyplot as plt
 
     plt.rcParams["svg.hashsalt"] = "refkv"  # reproducible element ids
-    rows = _rows(folder, "verdicts.csv")
+    accuracy = _accuracies(folder)
+    rows = [_relabel(r, accuracy) for r in _rows(folder, "verdicts.csv")]
     if not rows:
         return None
     claims = list(dict.fromkeys(r["claim"] for r in rows))

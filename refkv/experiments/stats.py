@@ -23,6 +23,13 @@ units and adds what its rule needs: Newcombe's paired interval for passkey accur
 per-text perplexities (:func:`text_perplexities`) and Holm's step-down correction within a
 claim (:func:`holm`).
 
+The second registered phase (``docs/experiment_registration_phase2.json``) adds what its
+analysis needs: power and sample size (:func:`mcnemar_power`, :func:`mcnemar_power_normal`,
+:func:`paired_t_power`, :func:`sample_size`), the source as a stratum with per-source
+estimates and the source x policy interaction (:func:`stratified_binary`,
+:func:`stratified_mean`, :func:`discordance_homogeneity`, :func:`one_way_anova`), the
+two-stage bootstrap (:func:`two_stage_bootstrap`) and a rank AUC (:func:`rank_auc`).
+
 :func:`excluded_effects` turns an interval into the sentence a verdict needs: which effect
 sizes (the paper's, scaled to this model) the data rule out.
 
@@ -40,16 +47,26 @@ from ..validation import check_float, check_int
 
 __all__ = [
     "Interval",
+    "discordance_homogeneity",
     "excluded_effects",
     "holm",
     "mcnemar_exact",
+    "mcnemar_power",
+    "mcnemar_power_normal",
     "mean_std",
     "newcombe_paired_difference",
+    "one_way_anova",
     "paired_mean_difference",
     "paired_proportion_difference",
+    "paired_t_power",
     "paired_t_test",
     "perplexity_gap",
+    "rank_auc",
+    "sample_size",
+    "stratified_binary",
+    "stratified_mean",
     "text_perplexities",
+    "two_stage_bootstrap",
     "wilson_interval",
 ]
 
@@ -412,3 +429,315 @@ def mean_std(values) -> tuple[float, float, int]:
         return float("nan"), float("nan"), 0
     std = float(arr.std(ddof=1)) if arr.size > 1 else 0.0
     return float(arr.mean()), std, int(arr.size)
+
+
+# -- power and sample size (the second registered phase) ----------------------------------------
+def _check_alpha(alpha) -> float:
+    return check_float("alpha", alpha, 0.0, 1.0, low_open=True, high_open=True)
+
+
+def _discordant_cells(p_discordant, delta) -> tuple[float, float]:
+    """``(p10, p01)``: the chances that only A, or only B, is right on a prompt, from the
+    discordance rate ``p10 + p01`` and the effect ``delta = p10 - p01``."""
+    p_discordant = check_float("p_discordant", p_discordant, 0.0, 1.0, low_open=True)
+    delta = check_float("delta", delta, -1.0, 1.0)
+    if abs(delta) > p_discordant:
+        raise ValueError(f"|delta| must be <= p_discordant ({p_discordant}), got {delta}: an accuracy "
+                         f"difference needs at least as many discordant prompts")
+    return (p_discordant + delta) / 2, (p_discordant - delta) / 2
+
+
+def mcnemar_power(n: int, p_discordant: float, delta: float, alpha: float) -> float:
+    """Exact power of the two-sided exact McNemar test (:func:`mcnemar_exact`) at level ``alpha``.
+
+    Each of ``n`` prompts is, independently, discordant with chance ``p_discordant``
+    (``p10 + p01``), and a discordant prompt favours A with chance ``q = p10 / p_discordant``,
+    where ``delta = p10 - p01`` is the difference of accuracies. The test rejects when its
+    p-value is below ``alpha`` (the registered rule: ``p < alpha``), so
+
+    .. math::
+        \\text{power} = \\sum_{m=0}^{n} \\binom{n}{m} p_d^m (1 - p_d)^{n-m}
+        \\sum_{b=0}^{m} \\binom{m}{b} q^b (1-q)^{m-b}\\,
+        [\\min(1, 2 F_{m,1/2}(\\min(b, m - b))) < \\alpha],
+
+    summed exactly (no simulation, no normal approximation).
+    """
+    n = check_int("n", n, 1)
+    alpha = _check_alpha(alpha)
+    p10, _ = _discordant_cells(p_discordant, delta)
+    q = p10 / p_discordant
+    binom = scipy_stats().binom
+    power = 0.0
+    for m in range(1, n + 1):
+        b = np.arange(m + 1)
+        p_value = np.minimum(1.0, 2.0 * binom.cdf(np.minimum(b, m - b), m, 0.5))   # (m + 1,)
+        reject = b[p_value < alpha]
+        if reject.size:
+            power += binom.pmf(m, n, p_discordant) * binom.pmf(reject, m, q).sum()
+    return float(power)
+
+
+def mcnemar_power_normal(n: int, p_discordant: float, delta: float, alpha: float) -> float:
+    """Connor's (1987) normal approximation to the power of McNemar's test, for comparison:
+
+    .. math::
+        \\Phi\\left(\\frac{|\\delta| \\sqrt{n} - z_{1-\\alpha/2} \\sqrt{p_d}}{\\sqrt{p_d - \\delta^2}}\\right).
+
+    Connor, R. J. (1987), "Sample size for testing differences in proportions for the
+    paired-sample design", Biometrics 43:207-211.
+    """
+    n = check_int("n", n, 1)
+    alpha = _check_alpha(alpha)
+    _discordant_cells(p_discordant, delta)
+    norm = scipy_stats().norm
+    spread = p_discordant - delta * delta
+    if spread <= 0:                      # every discordant prompt favours one side
+        return 1.0
+    z = norm.ppf(1 - alpha / 2)
+    return float(norm.cdf((abs(delta) * math.sqrt(n) - z * math.sqrt(p_discordant)) / math.sqrt(spread)))
+
+
+def paired_t_power(n: int, effect: float, sd: float, alpha: float) -> float:
+    """Exact power of the two-sided paired (one-sample) t-test with ``n`` units, for a true
+    mean difference ``effect`` and a standard deviation ``sd`` of the per-unit differences:
+    ``P(|T| > t_{1-alpha/2, n-1})`` with ``T`` noncentral t, ``n - 1`` degrees of freedom,
+    noncentrality ``effect / sd * sqrt(n)``."""
+    n = check_int("n", n, 2)
+    effect = check_float("effect", effect)
+    sd = check_float("sd", sd, 0.0, low_open=True)
+    alpha = _check_alpha(alpha)
+    st = scipy_stats()
+    critical = st.t.ppf(1 - alpha / 2, n - 1)
+    shift = effect / sd * math.sqrt(n)
+    return float(st.nct.sf(critical, n - 1, shift) + st.nct.cdf(-critical, n - 1, shift))
+
+
+def sample_size(power, target: float = 0.8, n_min: int = 2, n_max: int = 10_000) -> int | None:
+    """The smallest ``n`` in ``[n_min, n_max]`` with ``power(n) >= target``; ``None`` if none.
+
+    ``power`` is a function of ``n`` (e.g. ``lambda n: mcnemar_power(n, 0.4, 0.28, 0.05 / 3)``).
+    The search is upward, one ``n`` at a time: the exact McNemar power is not monotone in
+    ``n`` (the discrete test's size jumps), so the first ``n`` that reaches the target is
+    reported, not one found by bisection.
+    """
+    target = check_float("target", target, 0.0, 1.0, low_open=True, high_open=True)
+    n_min = check_int("n_min", n_min, 1)
+    n_max = check_int("n_max", n_max, n_min)
+    for n in range(n_min, n_max + 1):
+        if power(n) >= target:
+            return n
+    return None
+
+
+# -- the source as a stratum ------------------------------------------------------------------
+def _strata(values: np.ndarray, strata) -> tuple[list, np.ndarray]:
+    labels = np.asarray(strata)
+    if labels.shape != values.shape[:1]:
+        raise ValueError(f"strata must give one label per unit ({values.shape[0]}), got shape {labels.shape}")
+    return list(dict.fromkeys(labels.tolist())), labels
+
+
+def discordance_homogeneity(only_a, only_b, *, max_tables: int = 200_000) -> tuple[float, float]:
+    """Whether the discordant prompts split between A and B alike in every stratum: the source
+    x policy interaction of a paired binary comparison.
+
+    Stratum ``s`` has ``only_a[s]`` prompts only A answered and ``only_b[s]`` only B. Under the
+    null (the same chance ``q`` in every stratum that a discordant prompt favours A), given
+    each stratum's discordant count ``m_s`` and the total ``sum only_a``, the ``only_a[s]`` are
+    multivariate hypergeometric. The statistic is Pearson's chi-square of the ``S x 2`` table;
+    the p-value is exact: the chance, under that conditional law, of a table with a chi-square
+    at least as large (all tables enumerated; strata with no discordant prompt carry no
+    information and are left out). Returns ``(chi_square, p)``; ``p = 1`` with fewer than two
+    informative strata.
+    """
+    a = np.asarray(only_a, dtype=int)
+    b = np.asarray(only_b, dtype=int)
+    if a.ndim != 1 or a.shape != b.shape or a.size == 0 or (a < 0).any() or (b < 0).any():
+        raise ValueError("only_a and only_b must be 1-D arrays of the same length of counts >= 0")
+    m = a + b
+    keep = m > 0
+    a, m = a[keep], m[keep]
+    if a.size < 2 or a.sum() in (0, m.sum()):
+        return 0.0, 1.0
+    total, favour = int(m.sum()), int(a.sum())
+    q = favour / total
+
+    def chi2(x):
+        expected_a, expected_b = m * q, m * (1 - q)
+        return float(np.sum((x - expected_a) ** 2 / expected_a + ((m - x) - expected_b) ** 2 / expected_b))
+
+    observed = chi2(a)
+    log_norm = _log_comb(total, favour)
+    tail, tables = 0.0, 0
+
+    def walk(i, left, log_p, chosen):
+        nonlocal tail, tables
+        if i == m.size - 1:
+            if 0 <= left <= m[i]:
+                tables += 1
+                if tables > max_tables:
+                    raise ValueError(f"more than max_tables={max_tables} tables to enumerate")
+                x = np.array([*chosen, left])
+                if chi2(x) >= observed - 1e-9 * max(1.0, observed):
+                    tail += math.exp(log_p + _log_comb(int(m[i]), left) - log_norm)
+            return
+        rest = int(m[i + 1:].sum())
+        for k in range(max(0, left - rest), min(int(m[i]), left) + 1):
+            walk(i + 1, left - k, log_p + _log_comb(int(m[i]), k), [*chosen, k])
+
+    walk(0, favour, 0.0, [])
+    return observed, float(min(1.0, tail))
+
+
+def _log_comb(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+def stratified_binary(a_correct, b_correct, strata, *, confidence: float = 0.95) -> dict:
+    """A paired binary comparison with the source as a stratum.
+
+    Returns ``{"strata": {label: {"n", "only_a", "only_b", "estimate", "low", "high", "p"}},
+    "chi_square", "p_interaction"}``: per stratum, the difference of accuracies with
+    Newcombe's paired interval and the exact McNemar p (:func:`newcombe_paired_difference`,
+    :func:`mcnemar_exact`); and the source x policy interaction
+    (:func:`discordance_homogeneity`). The pooled exact McNemar test over all prompts is the
+    Mantel-Haenszel test for matched pairs stratified by source (it pools the discordant
+    pairs), so the registered pooled test is already the stratified one.
+    """
+    a = np.asarray(a_correct, dtype=bool)
+    b = np.asarray(b_correct, dtype=bool)
+    if a.ndim != 1 or a.shape != b.shape or a.size == 0:
+        raise ValueError("a_correct and b_correct must be non-empty 1-D arrays of the same length")
+    order, labels = _strata(a, strata)
+    out, only_a, only_b = {}, [], []
+    for label in order:
+        mine = labels == label
+        interval = newcombe_paired_difference(a[mine], b[mine], confidence=confidence)
+        x, y, p = mcnemar_exact(a[mine], b[mine])
+        only_a.append(x)
+        only_b.append(y)
+        out[label] = {"n": int(mine.sum()), "only_a": x, "only_b": y, "estimate": interval.estimate,
+                      "low": interval.low, "high": interval.high, "p": p}
+    chi, p_interaction = discordance_homogeneity(only_a, only_b)
+    return {"strata": out, "chi_square": chi, "p_interaction": p_interaction}
+
+
+def one_way_anova(groups) -> tuple[float, int, int, float]:
+    """One-way analysis of variance: ``(F, df_between, df_within, p)``.
+
+    ``F = [sum_s n_s (mean_s - mean)^2 / (S - 1)] / [sum_s sum_i (x_si - mean_s)^2 / (N - S)]``.
+    Applied to per-unit paired differences grouped by source, it tests the source x policy
+    interaction: whether the policy difference is the same in every source. Groups with one
+    unit add to the between-groups sum only. ``p`` is NaN when the within-group sum is 0.
+    """
+    groups = [np.asarray(g, dtype=float) for g in groups]
+    if len(groups) < 2 or any(g.ndim != 1 or g.size == 0 for g in groups):
+        raise ValueError("groups must be at least two non-empty 1-D arrays")
+    every = np.concatenate(groups)
+    if not np.isfinite(every).all():
+        raise ValueError("groups must hold finite values")
+    n, s = every.size, len(groups)
+    if n <= s:
+        raise ValueError(f"one_way_anova needs more units ({n}) than groups ({s})")
+    between = sum(g.size * (g.mean() - every.mean()) ** 2 for g in groups)
+    within = sum(((g - g.mean()) ** 2).sum() for g in groups)
+    if within == 0:
+        return float("inf") if between > 0 else float("nan"), s - 1, n - s, float("nan")
+    f = (between / (s - 1)) / (within / (n - s))
+    return float(f), s - 1, n - s, float(scipy_stats().f.sf(f, s - 1, n - s))
+
+
+def stratified_mean(a, b, strata, *, confidence: float = 0.95) -> dict:
+    """A paired mean comparison (per-text perplexity, per-prompt measure) with the source as
+    a stratum: per stratum the mean difference ``a - b`` with its paired t interval and p
+    (:func:`paired_t_test`; a stratum with one unit gets its difference and NaN interval),
+    and the interaction by :func:`one_way_anova` of the differences across strata.
+    ``b`` may be None for a one-sample statistic.
+
+    Returns ``{"strata": {label: {"n", "estimate", "low", "high", "p"}}, "f", "df",
+    "p_interaction"}``.
+    """
+    a = np.asarray(a, dtype=float)
+    b = np.zeros(a.shape) if b is None else np.asarray(b, dtype=float)
+    if a.ndim != 1 or a.shape != b.shape or a.size == 0:
+        raise ValueError("a and b must be non-empty 1-D arrays of the same length")
+    order, labels = _strata(a, strata)
+    d = a - b
+    out = {}
+    for label in order:
+        mine = labels == label
+        if mine.sum() >= 2:
+            interval, p = paired_t_test(a[mine], b[mine], confidence=confidence)
+            out[label] = {"n": int(mine.sum()), "estimate": interval.estimate, "low": interval.low,
+                          "high": interval.high, "p": p}
+        else:
+            out[label] = {"n": 1, "estimate": float(d[mine][0]), "low": float("nan"), "high": float("nan"),
+                          "p": float("nan")}
+    if len(order) < 2:
+        return {"strata": out, "f": float("nan"), "df": (0, 0), "p_interaction": float("nan")}
+    f, df1, df2, p = one_way_anova([d[labels == label] for label in order])
+    return {"strata": out, "f": f, "df": (df1, df2), "p_interaction": p}
+
+
+# -- the two-stage bootstrap and a rank AUC ---------------------------------------------------
+def two_stage_bootstrap(nll_a, nll_b, *, block: int = 64, confidence: float = 0.95, n_boot: int = 10_000,
+                        seed: int = 0) -> Interval:
+    """The mean over texts of the per-text perplexity difference, two-stage bootstrap.
+
+    Each replicate draws texts with replacement (stage one), then, within each drawn text,
+    its non-overlapping blocks of ``block`` tokens with replacement (stage two), the same
+    blocks for A and B; a text's replicate value is ``exp(mean nll_A*) - exp(mean nll_B*)``
+    over its drawn blocks, and the replicate is the mean over the drawn texts. The registered
+    design reports it beside the paired t interval, with its spread over bootstrap seeds; no
+    verdict uses it. ``estimate`` is the observed mean per-text difference.
+    """
+    if len(nll_a) != len(nll_b) or len(nll_a) < 2:
+        raise ValueError(f"nll_a and nll_b must hold the same number (>= 2) of texts, "
+                         f"got {len(nll_a)} and {len(nll_b)}")
+    block = check_int("block", block, 1)
+    confidence = _check_confidence(confidence)
+    n_boot = check_int("n_boot", n_boot, 100)
+    rng = np.random.default_rng(check_int("seed", seed, 0))
+    per_text, observed = [], []
+    for i, (a, b) in enumerate(zip(nll_a, nll_b)):
+        a = np.asarray(a, dtype=float)
+        b = np.asarray(b, dtype=float)
+        if a.ndim != 1 or a.shape != b.shape or a.size == 0 or not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise ValueError(f"text {i}: nll_a and nll_b must be finite non-empty 1-D arrays of the same length")
+        starts = _block_starts(a.size, block)
+        per_text.append((np.add.reduceat(a, starts), np.add.reduceat(b, starts),
+                         np.diff(np.append(starts, a.size))))
+        observed.append(math.exp(a.mean()) - math.exp(b.mean()))
+    n_texts = len(per_text)
+    texts = rng.integers(0, n_texts, size=(n_boot, n_texts))               # (n_boot, n_texts)
+    draws = np.zeros(n_boot)
+    for t, (block_a, block_b, lengths) in enumerate(per_text):
+        # every replicate redraws the blocks of text t each time t is drawn; draw for all
+        # replicates and copies at once: (n_boot, copies, n_blocks)
+        copies = (texts == t).sum(axis=1)                                   # (n_boot,)
+        most = int(copies.max())
+        if most == 0:
+            continue
+        pick = rng.integers(0, block_a.size, size=(n_boot, most, block_a.size))
+        count = lengths[pick].sum(axis=2)
+        value = np.exp(block_a[pick].sum(axis=2) / count) - np.exp(block_b[pick].sum(axis=2) / count)
+        used = np.arange(most)[None, :] < copies[:, None]                   # (n_boot, most)
+        draws += np.where(used, value, 0.0).sum(axis=1)
+    draws /= n_texts
+    return _percentile_interval(float(np.mean(observed)), draws, confidence, n_texts, "texts",
+                                f"two-stage bootstrap (texts, then blocks of {block} tokens)")
+
+
+def rank_auc(scores, positive) -> tuple[float, float]:
+    """The area under the ROC curve of ``scores`` for telling ``positive`` units from the
+    others, with the two-sided p of the Mann-Whitney U test (``AUC = U / (n_pos n_neg)``,
+    ties counted one half). Used to ask whether ``needle_retention`` separates right answers
+    from wrong ones."""
+    x = np.asarray(scores, dtype=float)
+    y = np.asarray(positive, dtype=bool)
+    if x.ndim != 1 or x.shape != y.shape or y.all() or not y.any():
+        raise ValueError("scores and positive must be 1-D of the same length, with both classes present")
+    pos, neg = x[y], x[~y]
+    u = float((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum())
+    p = float(scipy_stats().mannwhitneyu(pos, neg, alternative="two-sided").pvalue)
+    return u / (pos.size * neg.size), p

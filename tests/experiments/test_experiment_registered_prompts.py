@@ -221,14 +221,31 @@ def test_the_verdict_block_shows_every_registered_column(tmp_path):
     write_csv(tmp_path / "verdicts.csv", rows, module.COLUMNS)
     text = module.verdict_block(tmp_path, REGISTRATION)
     assert "(M1): not run." in text and "(P1): **holds** (KeyDiff - SnapKV +0.667" in text
-    assert "larger than the paper" in text                      # +0.667 [..] lies beyond +0.28
+    # P1's and L1's paper numbers are on another task or metric: no larger/smaller label (issue 35)
+    assert "larger than the paper" not in text and "not comparable" in text
     assert "(L1): **reversed** (KeyDiff - TOVA +2" in text
     table = text[text.index(".. list-table::"):]
     assert table.count("   * - ") == 1 + len(rows)
-    for needle in ("KeyDiff - SnapKV > 0", "60 prompts", "16 texts", "< 0.0001", "+0.28", "larger",
+    for needle in ("KeyDiff - SnapKV > 0", "60 prompts", "16 texts", "< 0.0001", "not comparable",
                    "Spearman rho < 0", "n/a", "not resolved"):
         assert needle in table, needle
     assert module.verdict_block(tmp_path / "nothing", REGISTRATION).startswith("The registered run's verdicts are not")
+
+
+def test_a_passkey_comparison_at_the_floor_is_not_testable(tmp_path):
+    """A passkey comparison whose two sides answer fewer than 10% of prompts on average is
+    shown 'not testable (floor)' on the page (issue 35), whatever the registered rule said."""
+    from refkv.experiments.registered import UNIT_COLUMNS, unit_rows
+    from refkv.experiments.tables import write_csv
+
+    module = _verdicts_script()
+    comparisons = [Comparison("P1", "keydiff", "snapkv", np.arange(60) < 4, np.zeros(60, bool), "prompts"),
+                   Comparison("P1", "keydiff", "tova", np.arange(60) < 30, np.arange(60) < 5, "prompts")]
+    write_csv(tmp_path / "verdicts.csv", verdict_rows(REGISTRATION, comparisons), module.COLUMNS)
+    write_csv(tmp_path / "units.csv", unit_rows(comparisons), UNIT_COLUMNS)
+    text = module.verdict_block(tmp_path, REGISTRATION)
+    # 4/60 and 0/60: mean 0.033 < 0.1 -> floor; 30/60 and 5/60: mean 0.29 -> tested (holds)
+    assert "**not testable (floor)** (KeyDiff - SnapKV" in text and "**holds** (KeyDiff - TOVA" in text
 
 
 def test_the_run_block_reads_calibration_choices_and_cost(tmp_path):

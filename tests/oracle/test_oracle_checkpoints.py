@@ -49,7 +49,8 @@ def test_transformers_loads_the_directory_with_the_same_logits(name, tmp_path):
     (["golden", "generate", "--out", "x", "--budget", "8", "--ratio", "0.5"], "--budget and --ratio exclude"),
     (["golden", "generate", "--out", "x", "--interval", "0"], "--interval must be an integer in [1, 131072], got 0"),
     (["golden", "generate", "--out", "x", "--prefill", "half"], "--prefill must be 'oneshot' or a block size"),
-    (["golden", "generate", "--out", "x", "--prompt-length", "0"], "--prompt-length must be an integer in [1, 131072], got 0"),
+    (["golden", "generate", "--out", "x", "--prompt-length", "0"],
+     "--prompt-length must be an integer in [1, 131072], got 0"),
 ])
 def test_bad_options_are_one_line_errors(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
