@@ -65,13 +65,16 @@ class WrongWindowKeyDiffPress(kvpress.ScorerPress):
 
 @dataclass
 class CoarseKeyDiffPress(kvpress.ScorerPress):
-    """KeyDiff computed on keys rounded to a coarser dtype than the run's (float8 e4m3 under a 16-bit
-    run, bfloat16 under a float32 one): the scores carry that dtype's rounding, not the run's."""
+    """KeyDiff computed on keys rounded to a coarser dtype than the run's (a float8 under a 16-bit
+    run: e4m3, 4 significant bits, or e5m2, 3; bfloat16 under a float32 one): the scores carry
+    that dtype's rounding, not the run's."""
 
     compression_ratio: float = 0.0
+    float8: str = "e4m3"
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs):
-        coarse = torch.bfloat16 if keys.dtype == torch.float32 else torch.float8_e4m3fn
+        eight = torch.float8_e4m3fn if self.float8 == "e4m3" else torch.float8_e5m2
+        coarse = torch.bfloat16 if keys.dtype == torch.float32 else eight
         rounded = keys.to(coarse).to(keys.dtype)
         anchor = F.normalize(rounded, p=2, dim=-1).mean(dim=2, keepdim=True)
         return -F.cosine_similarity(rounded, anchor, dim=-1)
@@ -166,6 +169,9 @@ VARIANTS = {v.name: v for v in (
             _decoding(WrongWindowKeyDiffPress), "the anchor is the mean unit key of the first half of the cache"),
     Variant("scores in a coarser dtype", "keydiff", "decoding", True, _decoding(CoarseKeyDiffPress),
             "KeyDiff on keys rounded to float8 e4m3 (bfloat16 in a float32 run)"),
+    Variant("scores in a coarser dtype (e5m2)", "keydiff", "decoding", True,
+            lambda: kvpress.DecodingPress(CoarseKeyDiffPress(float8="e5m2")),
+            "KeyDiff on keys rounded to float8 e5m2 (bfloat16 in a float32 run)"),
     Variant("decoding counter not reset", "keydiff", "decoding", True,
             lambda: CounterNotResetPress(kvpress.KeyDiffPress()), "compresses at every step after the first round"),
     Variant("AdaKV moves a token between heads", "adakv", "prefill", True,
