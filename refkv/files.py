@@ -518,12 +518,6 @@ class OutputFolder:
         """Write ``obj`` as standard JSON (sorted keys, no NaN) atomically."""
         return self.write_bytes(relative, json.dumps(obj, indent=indent, sort_keys=True, allow_nan=False) + "\n")
 
-    def save_npz(self, relative, arrays) -> Path:
-        """Write ``arrays`` as a reproducible ``.npz`` (:func:`refkv.oracle.io.npz_bytes`) atomically."""
-        from .oracle.io import npz_bytes  # the golden format's one writer of npz bytes
-
-        return self.write_bytes(relative, npz_bytes(arrays))
-
     def replace(self, source, destination) -> Path:
         """Move file ``source`` over ``destination`` (both relative, both guarded) atomically."""
         src, dst = self._prefix + self._split(source), self._prefix + self._split(destination)

@@ -220,7 +220,7 @@ def test_show_writes_a_page_and_ansi(tmp_path, capsys):
     assert [p.name for p in out.parent.iterdir()] == ["show.html"]  # no temporary file left
     assert captured.err.splitlines()[1:4] == [f"run {i} of 3: {label}, 258 prompt tokens ..." for i, label in
                                               ((1, "h2o(recent=None, form='paper')"),
-                                               (2, "snapkv(window=8, kernel=7, pooling='avg')"),
+                                               (2, "snapkv(window=8, kernel=7, pooling='avg', form='paper')"),
                                                (3, "no eviction"))]
     assert main([*argv[:-2], "--format", "ansi"]) == 0
     text = capsys.readouterr().out

@@ -187,6 +187,6 @@ def test_generate_command_rejects_bad_arguments(capsys):
     from refkv.cli import main
 
     assert main(["generate", "x", "--model", "tiny", "--max-new-tokens", "-1"]) == 2
-    assert "--max-new-tokens must be an integer >= 0" in capsys.readouterr().err
+    assert "--max-new-tokens must be an integer in [0, 131072], got -1" in capsys.readouterr().err
     assert main(["generate", "", "--model", "tiny"]) == 2
     assert "must not be empty" in capsys.readouterr().err

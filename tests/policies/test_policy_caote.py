@@ -156,7 +156,7 @@ def test_construction():
     from_object = Caote(base=SnapKV(window=4, pooling="max"), fast=True)
     params = from_object.params()
     assert params == {"base": "snapkv", "fast": True,
-                      "base_params": {"window": 4, "kernel": 7, "pooling": "max"}}
+                      "base_params": {"window": 4, "kernel": 7, "pooling": "max", "form": "paper"}}
     assert get("caote", **params).base_policy == from_object.base_policy
 
 
