@@ -139,7 +139,7 @@ def smallest_rejected(goldens: dict, dtype: str, work: Path, state: bool) -> flo
     return None
 
 
-def run(model: str, dtypes: list[str], prompt_length: int, noise: list[str]) -> dict:
+def run(model: str, dtypes: list[str], prompt_length: int, noise: list[str], only: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     rows, thresholds = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,6 +149,8 @@ def run(model: str, dtypes: list[str], prompt_length: int, noise: list[str]) -> 
         print(f"goldens made in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         for dtype in dtypes:
             for variant in VARIANTS.values():
+                if only and variant.name not in only:
+                    continue
                 regime = "decoding" if variant.regime == "decoding" else (
                     "prefill-adakv" if variant.policy == "adakv" else "prefill-snapkv")
                 reference, policy = goldens[regime]
@@ -199,6 +201,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--noise-dtypes", default="bfloat16",
                         help="dtypes of the smallest-rejected-noise search (comma-separated; empty: none)")
+    parser.add_argument("--variants", help="only these variants (names of VARIANTS, separated by ';')")
     parser.add_argument("--out", help="write every outcome to this JSON file")
     args = parser.parse_args(argv)
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -206,7 +209,11 @@ def main(argv=None) -> int:
         if d not in ("float32", "bfloat16", "float16"):
             parser.error(f"--dtypes: each must be float32, bfloat16 or float16, got {d!r}")
     noise = [d for d in args.noise_dtypes.split(",") if d]
-    result = run(args.model, dtypes, args.prompt_length, noise)
+    only = None if not args.variants else [v.strip() for v in args.variants.split(";") if v.strip()]
+    for name in only or ():
+        if name not in VARIANTS:
+            parser.error(f"--variants: unknown variant {name!r}; known: {'; '.join(VARIANTS)}")
+    result = run(args.model, dtypes, args.prompt_length, noise, only)
     print(tables(result))
     if args.out:
         atomic_write(args.out, json.dumps(result, indent=1, default=float).encode())
