@@ -9,8 +9,8 @@ position holds. A candidate gives, per round (arrays indexed like the golden's):
   round, in the candidate's own row order (kvpress's ``topk`` + ``gather`` leaves rows in
   score order), padded with -1 beyond ``kept_count``. Compared as sets: a permutation of
   the right positions passes.
-  For a policy that allocates a layer's budget across its KV heads (AdaKV: it overrides
-  ``head_budgets``), the layer's kept ``(head, position)`` pairs are compared as one set:
+  For a policy that allocates a layer's budget across its KV heads in one selection (AdaKV,
+  ``shares_layer_budget``), the layer's kept ``(head, position)`` pairs are compared as one set:
   a token moving between heads is a tie within the two reference scores' tolerances.
 * ``kept_count`` (R, L) int and ``logits`` (vocab,), required.
 * ``row_keys``, ``row_values`` (R, L, Hkv, K, d_head) float, optional: what each row
@@ -43,7 +43,6 @@ import numpy as np
 from ..cache import EMPTY
 from ..formatting import format_position_set
 from ..model.config import ModelConfig
-from ..policies.base import Policy
 from ..validation import check_float
 from .arrays import as_array, fmt
 from .candidates import validate_schedule_candidate
@@ -599,13 +598,14 @@ def _print_drift(kept_c, kept_r, prints_r, row_keys, r, l, d_head) -> float:
 
 
 def allocates_across_heads(manifest: dict) -> bool:
-    """Whether the golden's policy allocates a layer's budget across its KV heads (it overrides
-    ``head_budgets``, as AdaKV does): its kept sets are then compared with the heads pooled."""
+    """Whether the golden's policy allocates a layer's budget across its KV heads in one selection
+    (:attr:`~refkv.policies.Policy.shares_layer_budget`, AdaKV): its kept sets are then compared
+    with the heads pooled."""
     try:
         policy = policy_from_manifest(manifest)
     except (KeyError, TypeError, ValueError):
         return False
-    return type(policy).head_budgets is not Policy.head_budgets
+    return bool(policy.shares_layer_budget)
 
 
 def _pooled_heads(kept_c, kept_r, cand_pos, scores, protected, rtol, rule):

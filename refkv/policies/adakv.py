@@ -260,6 +260,7 @@ class AdaKV(Policy):
                   {"base": "keydiff", "form": "kvpress"}),
     )
     in_experiments = False  # uneven caches: the experiments read N real tokens per head
+    shares_layer_budget = True  # one selection over the layer's heads (Eqs. 5-7)
     needs = frozenset({"attention"})
     #: Each form's source and what proves it (``refkv policies --forms``).
     forms = MappingProxyType({

@@ -229,6 +229,11 @@ class Policy:
         normalised into weights (CAOTE refuses a base that does not declare it).
     evicts : bool
         False for the no-eviction baseline only; experiments compare the others.
+    shares_layer_budget : bool
+        True if ``head_budgets`` allocates one layer total across the KV heads in one
+        selection (AdaKV): a token may then move from one head to another, and checks compare
+        the layer's heads pooled. (Uneven counts alone -- PyramidKV's authors' form keeping
+        each head's share of a per-layer schedule -- are not that.)
     in_experiments : bool
         False leaves the policy out of the experiments' default lists (AdaKV and PyramidKV:
         the experiments' measurements read every head's cache as ``N`` real tokens, and
@@ -254,6 +259,7 @@ class Policy:
     evict_before_attention: ClassVar[bool] = False
     nonnegative_scores: ClassVar[bool] = False
     evicts: ClassVar[bool] = True
+    shares_layer_budget: ClassVar[bool] = False
     in_experiments: ClassVar[bool] = True
     forms: ClassVar[Mapping] = MappingProxyType({})
 

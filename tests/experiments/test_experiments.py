@@ -513,8 +513,8 @@ def test_equal_memory_budget_matches_the_evict_before_peak(tiny64):
 def test_configuration_spells_out_defaults():
     from refkv.experiments.grids import configuration
 
-    assert configuration("h2o") == "recent=None"
-    assert configuration("h2o:recent=0") == "recent=0"
+    assert configuration("h2o") == "form='paper', recent=None"
+    assert configuration("h2o:recent=0") == "form='paper', recent=0"
     assert configuration("knorm:sink=4,recent=10") == "recent=10, sink=4, skip_layers=(), skip_sink=4"
     assert "base_params={'recent': 0}" in configuration("caote:base=h2o,base_params={'recent': 0}")
 
