@@ -9,14 +9,14 @@ from ..formatting import terminal_text
 __all__ = ["add_golden_command"]
 
 
-def _names(values: list[str] | None) -> list[str] | None:
+def _names(values: list[str] | None, selecting: bool = False) -> list[str] | None:
     """``--policies a b`` or ``--policies a,b``, options included: ``--policies "adakv(base=keydiff,form=kvpress)"``
     (read by the one spec parser, :func:`refkv.policies.spec.parse_spec_list`); canonical specs."""
     if values is None:
         return None
     from .specs import golden_specs
 
-    return golden_specs(values)
+    return golden_specs(values, selecting=selecting)
 
 
 def add_golden_command(sub) -> None:
@@ -183,7 +183,7 @@ def _cmd_check(args) -> int:
     if args.kept_only:
         declare["kept_only"] = True
     kinds = ("vectors", "e2e") if args.kind == "all" else (args.kind,)
-    report = check_suite(args.candidate, args.against, policies=_names(args.policies), kinds=kinds,
+    report = check_suite(args.candidate, args.against, policies=_names(args.policies, selecting=True), kinds=kinds,
                          allow_missing=args.allow_missing, tolerance_factor=factor,
                          strict_ties=args.strict_ties, check_dtype=True if args.exact_dtype else "kind",
                          dtype=args.dtype, declare=declare or None, case_dtype=args.case_dtype,

@@ -81,9 +81,14 @@ def golden_spec(text: str) -> str:
     return spec
 
 
-def golden_specs(policies) -> list[str]:
+def golden_specs(policies, *, selecting: bool = False) -> list[str]:
     """Canonical specs of a list of policy specs (each item may itself be a comma-separated list,
-    :func:`~refkv.policies.spec.parse_spec_list`); ValueError for none, a bad one, or one given twice."""
+    :func:`~refkv.policies.spec.parse_spec_list`); ValueError for none, a bad one, or one given twice.
+
+    ``selecting``: the specs select goldens (:func:`spec_matches`). A spec that names options
+    whose values are all the defaults (``snapkv(form=paper)``) then selects the goldens of the
+    defaults alone -- written ``snapkv:`` -- where a bare name selects every golden of the policy.
+    """
     if isinstance(policies, str):
         raise ValueError(f"policies must be a list of policy specs, got the string {policies!r}")
     items = list(policies)
@@ -94,7 +99,10 @@ def golden_specs(policies) -> list[str]:
         if not isinstance(item, str):
             raise ValueError(f"policies must be policy specs, got {item!r}")
         if item.strip(" ,"):
-            specs += [golden_spec(s) for s in parse_spec_list(item.strip(" ,"))]
+            for text in parse_spec_list(item.strip(" ,")):
+                spec = golden_spec(text)
+                named = bool(parse_spec(text)[1])
+                specs.append(spec + ":" if selecting and named and ":" not in spec else spec)
     twice = sorted({s for s in specs if specs.count(s) > 1})
     if twice:
         raise ValueError(f"policies lists {', '.join(map(repr, twice))} more than once")
@@ -133,5 +141,8 @@ def spec_label(spec: str) -> str:
 
 def spec_matches(selector: str, spec: str) -> bool:
     """Whether ``--policies`` item ``selector`` (a canonical spec) selects a golden of ``spec``: the same
-    spec, or a bare name selecting every golden of that policy whatever its options."""
+    spec, a bare name selecting every golden of that policy whatever its options, or ``name:``
+    (:func:`golden_specs` with ``selecting``) the goldens of its default options alone."""
+    if selector.endswith(":"):
+        return spec == selector[:-1]
     return selector == spec or (":" not in selector and spec_name(spec) == selector)

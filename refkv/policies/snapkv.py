@@ -63,7 +63,8 @@ def authors_window_sums(queries: np.ndarray, keys: np.ndarray, window: int) -> n
     future = np.triu(np.ones((window, window), dtype=bool), k=1)  # mask_cond < (mask_cond + 1).T
     block = logits[..., -window:]
     logits[..., -window:] = np.where(future, block + np.finfo(dtype).min, block)
-    x = logits.astype(np.float32)
+    with np.errstate(over="ignore"):  # the mask's float64 minimum overflows float32 to -inf: weight 0, as theirs
+        x = logits.astype(np.float32)
     x = np.exp(x - x.max(axis=-1, keepdims=True))
     weights = (x / x.sum(axis=-1, keepdims=True)).astype(dtype)
     return weights.sum(axis=-2)

@@ -21,7 +21,7 @@ from ...oracle.io import read_json
 from ...oracle.ownstate import query_rows, unjudgeable
 from ...oracle.report import SuiteReport
 from ...oracle.schema import E2E_SCHEMA, SCHEDULE_VERSION, header
-from ...oracle.specs import golden_spec, manifest_spec, spec_label, spec_matches
+from ...oracle.specs import golden_spec, golden_specs, manifest_spec, spec_label, spec_matches
 from ...oracle.vectors import json_params
 from ...policies import get as get_policy
 from ...schedule import Schedule
@@ -356,7 +356,7 @@ def schedule_goldens(reference, policy: str | None = None) -> list[tuple[str, En
     (:func:`refkv.oracle.specs.spec_matches`).
     """
     reference = Path(reference)
-    selector = None if policy is None else golden_spec(policy)
+    selector = None if policy is None else golden_specs([policy], selecting=True)[0]
     out = []
     for path in sorted(reference.rglob("*.json")):
         if path.name == "suite.json":
