@@ -86,7 +86,7 @@ _edition = importlib.util.spec_from_file_location(
     "make_student_edition", pathlib.Path(__file__).parent.parent / "tutorials" / "make_student_edition.py")
 _module = importlib.util.module_from_spec(_edition)
 _edition.loader.exec_module(_module)
-_module.write_edition(pathlib.Path(__file__).parent / "_student_tutorials")
+_module.write_edition(pathlib.Path(__file__).parent / "_student_tutorials", suffix="_student")
 sphinx_gallery_conf = {
     "examples_dirs": ["../tutorials", "_student_tutorials"],
     "gallery_dirs": ["tutorials", "tutorials_student"],

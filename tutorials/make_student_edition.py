@@ -69,8 +69,12 @@ def scripts() -> list[pathlib.Path]:
     return sorted(TUTORIALS.glob("[0-9][0-9]_*.py"))
 
 
-def write_edition(folder) -> list[pathlib.Path]:
-    """Write the student edition into ``folder``; returns the paths written."""
+def write_edition(folder, suffix: str = "") -> list[pathlib.Path]:
+    """Write the student edition into ``folder``; returns the paths written.
+
+    ``suffix`` is added to each script's name (``00_bytes_and_sinks_student.py``): the
+    documentation renders both editions, and sphinx-gallery needs distinct names.
+    """
     from refkv.files import atomic_write
 
     folder = pathlib.Path(folder).resolve()
@@ -80,7 +84,7 @@ def write_edition(folder) -> list[pathlib.Path]:
     written = []
     for script in scripts():
         text = student_text(script.read_text(encoding="utf-8"), script.name)
-        written.append(atomic_write(folder / script.name, text))
+        written.append(atomic_write(folder / f"{script.stem}{suffix}.py", text))
     readme = (TUTORIALS / "README.rst").read_text(encoding="utf-8")
     title = "Read-along tutorials"
     heading = f"{title} (student edition)\n{'=' * (len(title) + 18)}\n\n"
