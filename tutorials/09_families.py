@@ -18,7 +18,7 @@ Four questions sort the families:
 * does it **use the question** -- the last queries of the prompt -- to decide?
 
 Measured run time: 134 s wall clock, 114 CPU-seconds, on a shared 2-core machine at
-load average 5.6 (eleven prefills of the 359-token passage on SmolLM2 and their answers).
+load average 5.6 (eleven prefills of the 359-token passage on SmolLM2, and answers).
 """
 
 import copy
