@@ -55,11 +55,11 @@ except ModelNotFoundError as error:
 # ``refkv experiment perplexity`` streams texts of real prose (CPython's documentation
 # and King James narrative, in turn) through the engine in blocks of :math:`B` under a
 # budget :math:`N`, and records every token's negative log-likelihood; the no-eviction
-# run of each text is its reference. Our grid: 6 texts of 128 tokens, :math:`N = 48`,
+# run of each text is its reference. Our grid: 4 texts of 128 tokens, :math:`N = 48`,
 # :math:`B = 16`, SnapKV, AdaKV and PyramidKV (both over SnapKV's scores). From a shell:
 
 POLICIES = ("snapkv", "adakv", "pyramidkv")
-N, B, TEXTS = 48, 16, 6
+N, B, TEXTS = 48, 16, 4
 OPTIONS = ["--policies", *POLICIES, "--budgets", str(N), "--blocks", str(B),
            "--texts", str(TEXTS), "--text-length", "128", "--model", "smollm2"]
 workdir = tempfile.TemporaryDirectory()
@@ -74,7 +74,7 @@ print(dry.stderr.strip())
 assert f"{4 * TEXTS} cells to run" in dry.stderr  # texts x (full + 3 policies)
 
 # %%
-# ``--dry-run`` lists the 24 cells and runs none. The same grid from Python, in this
+# ``--dry-run`` lists the 16 cells and runs none. The same grid from Python, in this
 # process (:func:`refkv.experiments.runner.run`; the records land in
 # ``DIR/perplexity.jsonl``, one line per cell, and a second run resumes instead of
 # repeating):
@@ -153,7 +153,7 @@ FLOOR = N + B  # the first prediction SnapKV's and AdaKV's eviction can reach
 # The unit of analysis
 # --------------------
 #
-# From position 64 on, each text gives 63 predictions, so 6 texts give 378, and an
+# From position 64 on, each text gives 63 predictions, so 4 texts give 252, and an
 # interval over tokens looks precise. But tokens of one text share its topic, its style
 # and its cache: they are not independent draws, and a policy that happens to suit one
 # text moves all its tokens together. The unit that is sampled independently is the
@@ -180,17 +180,17 @@ for other in ("adakv", "pyramidkv"):
 # %%
 # The same mean, two widths. Where the texts respond to a policy alike, the two
 # intervals agree; where they respond differently, the token interval is too narrow by
-# the printed factor, because it counts 378 draws where there are 6. Which case holds
+# the printed factor, because it counts 252 draws where there are 4. Which case holds
 # cannot be read from the tokens; the interval over texts is right in both, and only it
 # answers the question "on another text like these, which is better?".
 #
 # Paired intervals
 # ----------------
 #
-# Texts differ far more from each other than policies do on one text (the perplexities
-# above range over tens). Comparing the policies' *averages* mixes that spread into the
-# comparison; comparing them *on the same text* removes it: the paired difference per
-# text, and Student's t interval of its mean
+# Texts differ from each other more than the policies differ on any one text (read the
+# perplexities above along a row, then down a column). Comparing the policies'
+# *averages* mixes that spread into the comparison; comparing them *on the same text*
+# removes it: the paired difference per text, and Student's t interval of its mean
 # (:func:`refkv.experiments.stats.paired_t_test`). Each policy's perplexity gap to no
 # eviction, then each pair:
 
@@ -248,7 +248,7 @@ assert (held["adakv"].sum(axis=1) == 3 * N).all()  # AdaKV: each layer's total i
 # How many texts would a difference need before an interval excludes zero? With the
 # paired differences' standard deviation :math:`\sigma_d`, a two-sided test at 5%
 # detects a true mean difference :math:`\delta` with probability 80% from about
-# :math:`n = ((z_{0.975} + z_{0.8})\, \sigma_d / \delta)^2` texts. From our 6 texts:
+# :math:`n = ((z_{0.975} + z_{0.8})\, \sigma_d / \delta)^2` texts. From our 4 texts:
 
 z = scipy_stats().norm.ppf(0.975) + scipy_stats().norm.ppf(0.8)
 for other in ("adakv", "pyramidkv"):
@@ -282,7 +282,7 @@ for other in ("adakv", "pyramidkv"):
 #    interval half-width would the registered design's 16 texts give, and how many texts
 #    halve it?
 # 3. Show on the records that pairing matters: the standard error of the mean
-#    *unpaired* difference (two independent samples of 6) against the paired one.
+#    *unpaired* difference (two independent samples of 4) against the paired one.
 
 
 def group_mean(A, group_size):

@@ -86,6 +86,11 @@ def test_tutorial_has_exercises_with_checked_solutions(script):
     assert "predict, then run" in text.lower(), f"{script.name} asks the reader to predict nothing"
 
 
+#: Seconds a tutorial may run: the longest (11, a grid of 16 experiment cells on the real
+#: model) takes about 4 minutes on a shared 2-core machine.
+TIMEOUT = 600
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
 def test_tutorial_runs(script, tmp_path):
@@ -101,7 +106,7 @@ def test_tutorial_runs(script, tmp_path):
                PYTHONPATH=_this_checkout_first())
     before = _source_tree_files()
     result = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", str(script)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, f"{script.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert list(tmp_path.iterdir()) == [], f"{script.name} left files in its working directory"
     # Run by hand, a tutorial with figures saves them (here: where REFKV_FIGURES says) and says where.
