@@ -4,8 +4,9 @@ Build (warnings are errors; this is what ``tests/docs/test_docs.py`` runs)::
 
     python -m sphinx -W --keep-going -b html docs docs/_build/html
 
-A full build executes every tutorial in ``tutorials/`` through sphinx-gallery (about a
-minute of CPU; it needs the ``plot``, ``test`` and ``models`` extras and the model wheel,
+A full build executes every tutorial in ``tutorials/`` through sphinx-gallery (about
+twelve minutes of CPU on a shared 2-core machine, each tutorial's time on the tutorials
+page; it needs the ``plot``, ``test`` and ``models`` extras and the model wheel,
 like the tutorials themselves). ``-D plot_gallery=0`` renders the tutorials' text and code
 without running them; the docs test uses it because ``tests/docs/test_tutorials.py`` already
 runs each tutorial in its own process.
@@ -19,7 +20,9 @@ without internet. ``tests/docs/test_docs.py`` fails if a built page references a
 stylesheet or font.
 """
 
+import importlib.util
 import os
+import pathlib
 import sys
 
 sys.path.insert(0, os.path.abspath(".."))
@@ -75,10 +78,21 @@ nitpick_ignore_regex = [(r"py:.*", r"(?s)(?!(numpy|scipy)\.).*")]
 # The tutorials are plain Python scripts (``tutorials/NN_name.py``) whose comment blocks
 # are reStructuredText. The same file is run by the test suite, rendered here, and offered
 # as a script and a notebook download: there is one copy of every tutorial.
+#
+# The student edition (``tutorials/make_student_edition.py``: the same scripts without
+# their solutions) is a second gallery, written into ``docs/_student_tutorials/`` (ignored
+# by git) at each build and rendered but never executed: ``filename_pattern`` matches only
+# the numbered tutorials of ``tutorials/`` itself.
+_edition = importlib.util.spec_from_file_location(
+    "make_student_edition", pathlib.Path(__file__).parent.parent / "tutorials" / "make_student_edition.py")
+_module = importlib.util.module_from_spec(_edition)
+_edition.loader.exec_module(_module)
+_module.write_edition(pathlib.Path(__file__).parent / "_student_tutorials", suffix="_student")
 sphinx_gallery_conf = {
-    "examples_dirs": "../tutorials",
-    "gallery_dirs": "tutorials",
-    "filename_pattern": r"/\d\d_",           # execute every numbered tutorial
+    "examples_dirs": ["../tutorials", "_student_tutorials"],
+    "gallery_dirs": ["tutorials", "tutorials_student"],
+    "filename_pattern": r"/tutorials/\d\d_",  # execute every numbered tutorial, not the copies
+    "ignore_pattern": r"__init__\.py|make_student_edition\.py",
     "within_subsection_order": "FileNameSortKey",
     "abort_on_example_error": True,           # a tutorial that raises fails the build
     "download_all_examples": False,
@@ -96,7 +110,7 @@ sphinx_gallery_conf = {
 
 templates_path = []
 # the authors' tables are included by the policies index, not pages of their own
-exclude_patterns = ["_build", "_inventories", "**/example_*.py", "policies/authors_table_*.rst"]
+exclude_patterns = ["_build", "_inventories", "**/example_*.py", "_student_tutorials", "policies/authors_table_*.rst"]
 html_theme = "alabaster"
 html_static_path = ["_static"]
 # Code blocks scroll sideways instead of being cut, tables scroll inside the column, the

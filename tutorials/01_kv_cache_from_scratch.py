@@ -3,9 +3,12 @@
 ==========================
 
 A decoder generates one token at a time, and every new token attends to all the tokens
-before it. Recomputing the keys and values of the whole sequence at every step costs
-:math:`O(T^2)` projections for :math:`T` tokens; a *KV cache* stores them once and makes
-each step cost :math:`O(T)`. This tutorial builds a KV cache in a few lines of NumPy,
+before it. Recomputing the keys and values of the whole prefix at every step costs
+:math:`t` projections at step :math:`t`, :math:`O(T^2)` over :math:`T` tokens; a *KV
+cache* stores them once, so each step projects one token: :math:`O(T)` over the
+:math:`T` tokens. (Attention still compares each new query with every cached key:
+:math:`O(T^2)` query-key products in all with the cache, :math:`O(T^3)` without; both
+counted below.) This tutorial builds a KV cache in a few lines of NumPy,
 shows why decoding with it gives the same outputs as recomputing everything, and then
 checks a from-scratch cached decoder against refkv's own model and engine.
 
@@ -123,7 +126,7 @@ fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(9, 3.4))
 future = np.triu(np.ones((T, T), dtype=bool), k=1)
 im = ax0.imshow(np.ma.masked_where(future, A), cmap="viridis")
 ax0.set(title="causal attention weights A", xlabel="key position j",
-        ylabel="query position t")
+        ylabel="query position t", xticks=range(0, T, 2), yticks=range(0, T, 2))
 fig.colorbar(im, ax=ax0, fraction=0.046)
 ax1.semilogy(np.arange(T), np.maximum(error, 1e-18), "o-")
 ax1.axhline(np.finfo(np.float64).eps, color="grey", ls="--", label="float64 eps")

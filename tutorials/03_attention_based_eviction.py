@@ -146,11 +146,18 @@ print("SnapKV's sum from the last w rows alone == SnapKV's sum:",
 # %%
 # A picture of the matrix and the three scores:
 
-fig, axes = plt.subplots(2, 1, figsize=(6.5, 5.6), height_ratios=(1.1, 1), sharex=True)
-axes[0].imshow(np.ma.masked_equal(A_bar, 0.0), cmap="magma_r", aspect="auto",
-               extent=(-0.5, n - 0.5, n - 0.5, n - B - 0.5))
+fig, axes = plt.subplots(2, 1, figsize=(7.2, 5.6), height_ratios=(1.1, 1), sharex=True)
+future = query_positions[:, None] < positions[0][None, :]   # (B, n): masked keys
+cmap = plt.get_cmap("magma_r").copy()
+cmap.set_bad("#cfd8e3")                          # the masked future: blue-grey
+im = axes[0].imshow(np.ma.masked_where(future, A_bar), cmap=cmap, aspect="auto",
+                    vmin=0, extent=(-0.5, n - 0.5, n - 0.5, n - B - 0.5))
+# the colour bar in an inset, so both panels keep the same width and columns align
+fig.colorbar(im, cax=axes[0].inset_axes([1.01, 0, 0.025, 1]), label="weight")
 axes[0].set(ylabel="query position",
-            title="attention of the block's queries (group mean; dark = high)")
+            title="attention of the block's queries (group mean); blue-grey: future, "
+                  "masked", yticks=range(n - B, n))
+axes[0].title.set_fontsize(9)
 width = 0.27
 for i, (name, s) in enumerate((("TOVA", tova), ("H2O / B", h2o / B),
                                ("SnapKV / w", snapkv / window))):
@@ -207,13 +214,17 @@ engines["random"].prefill(tokens, block_size=B)
 kept = {name: np.concatenate([c.positions.ravel() for c in engine.caches])
         for name, engine in engines.items()}
 
-fig, ax = plt.subplots(figsize=(7, 3))
+# One panel per policy, each over the random policy's outline, so that no bar hides
+# another (H2O's and SnapKV's last bins are equally tall).
+fig, axes = plt.subplots(3, 1, figsize=(7, 5), sharex=True, sharey=True)
 bins = np.arange(0, 385, 16)
-for name in ("tova", "h2o", "snapkv", "random"):
-    ax.hist(kept[name], bins=bins, histtype="step", lw=1.8, label=name,
-            ls="--" if name == "random" else "-")
-ax.set(xlabel="position of a kept token", ylabel="count (all layers, heads)")
-ax.legend()
+for ax, name, colour in zip(axes, ("tova", "h2o", "snapkv"), ("C0", "C1", "C2")):
+    ax.hist(kept[name], bins=bins, color=colour, alpha=0.75, label=name)
+    ax.hist(kept["random"], bins=bins, histtype="step", lw=1.5, ls="--",
+            color="k", label="random")
+    ax.legend(loc="upper center", fontsize=8, ncol=2)
+axes[1].set_ylabel("count (all layers, heads)")
+axes[-1].set(xlabel="position of a kept token", xticks=range(0, 385, 64))
 fig.tight_layout()
 
 print("kept per 64-token bin (positions 0-63, ..., 320-383):")

@@ -156,7 +156,10 @@ print(f"ratio on the strongest head: {ratio.min():.4f} .. {ratio.max():.4f}"
 # call the engine makes. Then project the keys of one head onto their two main principal
 # components (KeyDiff Fig. 4) and colour what each policy keeps. The head, layer 20's
 # first, was picked by eye among a few dozen because it shows the contrast clearly; the
-# statistic after the picture covers all 90 heads.
+# statistic after the picture covers all 90 heads. **Predict, then run:** sink keeps the
+# first four tokens and the last 60; how many of its 64 does TOVA, which follows the
+# last query's attention, keep among the last 64 positions -- nearly all, about half, or
+# fewer?
 
 N = 64
 policies = {name: refkv.policies.get(name) for name in ("sink", "tova", "keydiff")}
@@ -188,8 +191,7 @@ fig.tight_layout()
 # In this head the keys of the most recent tokens form one cluster (bottom left). Sink
 # keeps that window and the four first tokens, so its kept set is one tight clump.
 # KeyDiff takes keys from all over the cloud, including the far ends of the arc, and
-# leaves many of the crowded recent keys behind. (**Predict, then run:** how many of its
-# 64 does TOVA keep among the last 64 positions?) TOVA is in between: it follows the
+# leaves many of the crowded recent keys behind. TOVA is in between: it follows the
 # last query's attention, which in a trained model is not local, so it keeps some of the
 # recent clump and spreads the rest over the arc. Counted:
 

@@ -105,11 +105,14 @@ for c in (16, 64):
 
 fig, ax = plt.subplots(figsize=(6, 4))
 ax.plot(angles / np.pi, angles / np.pi, "k--", lw=1, label=r"$\theta/\pi$ (Eq. 3)")
-for c, colour in ((16, "C0"), (64, "C1")):
+# The two means nearly coincide: c = 16 as open squares shifted left, c = 64 as dots
+# shifted right, so that neither covers the other.
+for c, colour, marker, shift in ((16, "C0", "s", -0.006), (64, "C1", "o", 0.006)):
     mean, std = results[c].mean(axis=1), results[c].std(axis=1)
-    ax.plot(angles / np.pi, mean, "o", color=colour, ms=4,
-            label=f"mean $d_H/c$, c = {c}")
-    ax.fill_between(angles / np.pi, mean - std, mean + std, color=colour, alpha=0.2)
+    ax.plot(angles / np.pi + shift, mean, marker, color=colour, ms=5, mfc="none"
+            if c == 16 else colour, label=f"mean $d_H/c$, c = {c}")
+    ax.fill_between(angles / np.pi, mean - std, mean + std, color=colour, alpha=0.2,
+                    label=f"$\\pm$ 1 std, c = {c}")
 ax.set(xlabel=r"angle $\theta / \pi$", ylabel=r"Hamming distance $d_H / c$")
 ax.legend()
 fig.tight_layout()

@@ -168,6 +168,36 @@ fig.tight_layout()
 # is "equal scores keep the more recent token"; ``strict_ties=True`` demands it. A swap
 # that is not a tie fails, with the positions kept by each side.
 #
+# The golden cases above produced no tie with this kernel, so here is one made on
+# purpose. Eight keys of one head, the sixth a copy of the third: their scores are
+# equal to the last bit. A kernel that sorts stably keeps the *older* of two equal
+# scores; when the budget cuts between the two copies it keeps the third token where
+# refkv keeps the sixth. **Predict, then run:** accepted, or a failure?
+
+tie_keys = np.random.default_rng(8).standard_normal((1, 8, 4))
+tie_keys[0, 5] = tie_keys[0, 2]                  # position 5 duplicates position 2
+tie_scores, _ = my_keydiff(tie_keys, 8)
+tie_positions = np.arange(8)[None, :]
+m = int((tie_scores[0] > tie_scores[0, 2]).sum()) + 1   # room for one of the copies
+older_first = np.sort(np.argsort(-tie_scores, kind="stable")[:, :m], axis=-1)
+reference_kept = policies.select(tie_scores, tie_positions, m)
+print(f"budget {m}: refkv keeps {reference_kept[0].tolist()}, "
+      f"the stable kernel {older_first[0].tolist()}")
+swaps = assert_same_retention(older_first, reference_kept, tie_scores,
+                              positions=tie_positions, rtol=1e-12)
+for swap in swaps:
+    print(f"{len(swaps)} tie accepted: {swap.describe()}")
+try:
+    assert_same_retention(older_first, reference_kept, tie_scores,
+                          positions=tie_positions, rtol=1e-12, strict_ties=True)
+except AssertionError as error:
+    print("with strict_ties=True:", str(error).splitlines()[0])
+assert [(s.kept_position, s.dropped_position) for s in swaps] == [(2, 5)]
+
+# %%
+# A kernel that disagrees with refkv only on ties passes; one that must reproduce
+# refkv's exact kept set (to compare caches bit for bit, say) sets ``strict_ties``.
+#
 # Property-based: against the policy itself
 # -----------------------------------------
 #

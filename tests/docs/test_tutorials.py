@@ -86,6 +86,11 @@ def test_tutorial_has_exercises_with_checked_solutions(script):
     assert "predict, then run" in text.lower(), f"{script.name} asks the reader to predict nothing"
 
 
+#: Seconds a tutorial may run: the longest (11, a grid of 16 experiment cells on the real
+#: model) takes about 3 minutes on a shared 2-core machine.
+TIMEOUT = 600
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
 def test_tutorial_runs(script, tmp_path):
@@ -101,7 +106,7 @@ def test_tutorial_runs(script, tmp_path):
                PYTHONPATH=_this_checkout_first())
     before = _source_tree_files()
     result = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", str(script)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, f"{script.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert list(tmp_path.iterdir()) == [], f"{script.name} left files in its working directory"
     # Run by hand, a tutorial with figures saves them (here: where REFKV_FIGURES says) and says where.
@@ -180,7 +185,8 @@ def test_figures_go_outside_the_source_tree_by_default(tmp_path, monkeypatch):
 
 def test_gitignore_covers_what_runs_produce():
     ignored = (TUTORIALS.parent / ".gitignore").read_text(encoding="utf-8").splitlines()
-    for pattern in ("/tutorials/*.png", "/docs/tutorials/", "/docs/sg_execution_times.rst"):
+    for pattern in ("/tutorials/*.png", "/docs/tutorials/", "/docs/sg_execution_times.rst", "/docs/tutorials_student/",
+                    "/docs/_student_tutorials/"):
         assert pattern in ignored, pattern
 
 
@@ -287,3 +293,79 @@ def test_observed_is_the_engines_observe_step():
     last = recorder.views()[1]                    # layer 1 of the last block: state of four blocks before it
     stored = dataclasses.replace(last, fields=dict(engine.caches[1].fields))
     np.testing.assert_array_equal(h2o.score(observed(h2o, last)), h2o.score(stored))
+
+
+# -- the student edition ---------------------------------------------------------------------
+
+
+def _student_edition(tmp_path) -> pathlib.Path:
+    spec = importlib.util.spec_from_file_location("make_student_edition", TUTORIALS / "make_student_edition.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    folder = tmp_path / "student"
+    written = module.write_edition(folder)
+    assert sorted(p.name for p in written) == sorted([*(p.name for p in SCRIPTS), "README.rst"])
+    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in written)  # no temporary left
+    with pytest.raises(ValueError, match="must not be the tutorials' own folder"):
+        module.write_edition(TUTORIALS)
+    return folder
+
+
+def _solution_lines(text: str) -> set[str]:
+    """The code lines of a tutorial's solutions that appear nowhere before them."""
+    before, after = text.split("# Solutions\n# ---------\n", 1)
+    solutions = after.split("# %%\n# Saving the figures", 1)[0]
+    earlier = {line.strip() for line in before.splitlines()}
+    return {line.strip() for line in solutions.splitlines()
+            if line.strip() and not line.lstrip().startswith("#") and line.strip() not in earlier}
+
+
+def test_student_edition_holds_the_exercises_and_no_solution_code(tmp_path):
+    folder = _student_edition(tmp_path)
+    for script in SCRIPTS:
+        full = script.read_text(encoding="utf-8")
+        student = (folder / script.name).read_text(encoding="utf-8")
+        assert "# Solutions" not in student and "# Exercises\n# ---------" in student, script.name
+        code = {line.strip() for line in student.splitlines()}
+        leaked = sorted(_solution_lines(full) & code)
+        assert not leaked, f"{script.name}: solution code in the student edition: {leaked}"
+        assert sum(1 for line in full.splitlines() if line.startswith("assert ")) > \
+            sum(1 for line in student.splitlines() if line.startswith("assert "))
+        compile(student, script.name, "exec")
+        # everything up to the exercises is the tutorial itself, unchanged
+        assert student.split("# Exercises\n# ---------", 1)[0] == full.split("# Exercises\n# ---------", 1)[0]
+    readme = (folder / "README.rst").read_text(encoding="utf-8")
+    assert "(student edition)" in readme and ".. _tutorials_student:" in readme
+
+
+def test_exercises_that_build_a_piece_from_an_empty_function():
+    """RoPE at a position (tutorial 10) and GQA's group mean (tutorial 11) start as empty
+    functions in the exercises; the solutions fill them in and check them against refkv's
+    own (apply_rope, View.attention_by_kv_head)."""
+    for stem, name, reference in (("10_eviction_while_generating", "rope_at", "apply_rope("),
+                                  ("11_evaluating_a_policy", "group_mean", "attention_by_kv_head()")):
+        text = (TUTORIALS / f"{stem}.py").read_text(encoding="utf-8")
+        exercises, solutions = text.split("# Solutions\n# ---------", 1)
+        stub = exercises.split(f"def {name}(", 1)[1]
+        assert "raise NotImplementedError" in stub.split("\n\n\n", 1)[0], stem
+        assert f"def {name}(" in solutions and reference in solutions, stem
+        # the solution's own result, `ours`, asserted equal to refkv's
+        assert re.search(rf"^ours = {name}\(", solutions, re.M) and "\nassert np.allclose(ours, " in solutions, stem
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if "smollm2" not in s.read_text(encoding="utf-8")],
+                         ids=lambda p: p.stem)
+def test_student_edition_runs_up_to_the_exercises(script, tmp_path):
+    """The student copies of the tutorials that need no real model run to the end (the
+    others differ from theirs only after the exercises, which test_tutorial_runs runs)."""
+    pytest.importorskip("matplotlib")
+    folder = _student_edition(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = dict(os.environ, MPLBACKEND="Agg", PYTHONHASHSEED="0", REFKV_FIGURES=str(tmp_path / "figures"),
+               PYTHONPATH=_this_checkout_first())
+    result = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", str(folder / script.name)],
+                            cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{script.name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+    assert "exercise 1:" not in result.stdout
