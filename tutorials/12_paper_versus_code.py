@@ -303,12 +303,17 @@ if model is not None:
 #
 # A backend that ported SnapKV (a CUDA kernel, kvpress, your own engine) keeps one of
 # the two sets, or a third. ``refkv golden generate`` writes goldens of a policy in the
-# form you name, and ``refkv golden check`` judges your backend's kept positions against
-# them; the form whose goldens pass is the one you implemented::
+# form you name; your backend runs each suite's inputs and writes its kept positions
+# laid out like that suite (tutorial 8); ``refkv golden check`` judges them, and the
+# form whose suite passes is the one you implemented::
 #
-#     refkv golden generate --out golden --policies snapkv "snapkv(form=authors)"
-#     refkv golden check my_outputs/ --against golden --policies "snapkv(form=authors)"
-#     refkv golden check my_outputs/ --against golden --policies snapkv
+#     refkv golden generate --out golden/paper --policies snapkv
+#     refkv golden generate --out golden/authors --policies "snapkv(form=authors)"
+#     refkv golden check my_outputs/paper --against golden/paper
+#     refkv golden check my_outputs/authors --against golden/authors
+#
+# (The authors' suite has no GQA runs: its cache is one row per query head, so those
+# goldens are skipped and listed in its ``suite.json``.)
 #
 # The authors' own code is such a backend. In a source checkout ``tests/authors/`` holds
 # what their routines kept on refkv's inputs, written as candidate goldens. SnapKV's
