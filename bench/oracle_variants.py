@@ -34,6 +34,7 @@ import torch
 from refkv.cli import main as refkv_main
 from refkv.files import atomic_write
 from refkv.interop.kvpress import write_candidates
+from refkv.interop.kvpress.schedules import kvpress_version
 from refkv.interop.kvpress.variants import VARIANTS
 from refkv.oracle.endtoend import read_end_to_end, write_end_to_end
 from refkv.oracle.generate import load_golden_model
@@ -172,7 +173,7 @@ def run(model: str, dtypes: list[str], prompt_length: int, noise: list[str], onl
                 thresholds[dtype] = {"after": smallest_rejected(goldens, dtype, work, True),
                                      "before": smallest_rejected(goldens, dtype, work, False)}
     return {"model": model, "rows": rows, "noise": thresholds, "prompt_length": prompt_length,
-            "torch": torch.__version__, "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "?",
+            "torch": torch.__version__, "kvpress": kvpress_version(),
             "load_average": os.getloadavg()}
 
 
