@@ -6,6 +6,7 @@ import numpy as np
 
 from ..formatting import format_position_set
 from ..oracle.arrays import as_array, compare_arrays
+from ..oracle.candidates import CandidateError
 from ..oracle.cases import compare_case, describe_position
 from ..oracle.retention import compare_retention
 from ..oracle.vectors import VectorCase, as_vector_case
@@ -180,8 +181,12 @@ def assert_case(case: VectorCase | dict, *, scores=None, protected=None, kept=No
     if not candidate:
         raise ValueError("give at least one of scores, protected, kept")
     case = as_vector_case(case)
-    result = compare_case(candidate, case, dtype=dtype, declare=declare, tolerance_factor=tolerance_factor,
-                          strict_ties=strict_ties, check_dtype=check_dtype, kept_as=kept_as)
+    try:
+        result = compare_case(candidate, case, dtype=dtype, declare=declare, tolerance_factor=tolerance_factor,
+                              strict_ties=strict_ties, check_dtype=check_dtype, kept_as=kept_as)
+    except CandidateError as err:  # NaN, complex, fractional: the kernel's output, so the kernel fails
+        raise AssertionError(_headline("the candidate's outputs are refused", f"{case.label}: {case.comment}")
+                             + "\n" + str(err)) from None
     if result.ok:
         return result.ties
     first, *rest = result.messages
