@@ -21,7 +21,7 @@ from .status import Status
 from .tolerance import check_dtype_name, score_tolerance, tie_rule_meaningless, tolerance_rule
 from .vectors import as_vector_case
 
-__all__ = ["KEPT_AS", "CaseResult", "compare_case", "describe_position"]
+__all__ = ["KEPT_AS", "CaseResult", "compare_case", "compare_scores", "describe_position"]
 
 #: How a candidate's ``kept`` names its tokens: column indices into the case's candidates
 #: (the format's own), or the tokens' positions (``inputs["positions"]``).
@@ -134,7 +134,7 @@ def compare_case(candidate: dict, reference, *, dtype=None, declare=None, tolera
     if "scores" in candidate and not decl.kept_only:
         cand = as_array(candidate["scores"], "scores")
         pinned = decl.pinned_mask(positions, ref["protected"])
-        message = _compare_scores(cand, ref["scores"], decl.scores, pinned, tolerance, describe, positions,
+        message = compare_scores(cand, ref["scores"], decl.scores, pinned, tolerance, describe, positions,
                                   check_dtype)
         if message:
             result.messages.append(message)
@@ -303,7 +303,11 @@ def _kept_sets(h, kept, desired, positions) -> str:
             f"\n  only the candidate keeps {only_c}; only the reference keeps {only_r}")
 
 
-def _compare_scores(cand, ref, relation, pinned, tolerance, describe, positions, check_dtype) -> str | None:
+def compare_scores(cand, ref, relation, pinned, tolerance, describe, positions, check_dtype) -> str | None:
+    """A candidate's scores ``cand`` against the reference's ``ref`` (Hkv, n) by the declared
+    ``relation`` (``"exact"``: within ``tolerance()``; ``"positive_multiple"``: after rescaling by
+    the median ratio per head; ``"monotone"``: the same order); the failure's text, or None.
+    ``pinned`` columns are not compared. Shared by vector cases and schedule rounds."""
     ref = np.asarray(ref)
     if cand.shape != ref.shape:
         return f"scores: shape mismatch: actual {cand.shape}, desired {ref.shape}"

@@ -46,7 +46,7 @@ from ..model.config import ModelConfig
 from ..validation import check_float
 from .arrays import as_array, fmt
 from .candidates import validate_schedule_candidate
-from .cases import _compare_scores, compare_case
+from .cases import compare_case, compare_scores
 from .declare import Declarations
 from .endtoend import fingerprints, policy_from_manifest
 from .models import is_checkpoint
@@ -688,7 +688,7 @@ def _check_scores(res, r, l, h, where, cand_scores, cand_positions, ref_position
     if relation != "exact":
         cols = np.array([c for _, c in given])
         got = np.array([v for v, _ in given])[None]
-        message = _compare_scores(got, np.asarray(ref_scores, dtype=np.float64)[cols][None], relation,
+        message = compare_scores(got, np.asarray(ref_scores, dtype=np.float64)[cols][None], relation,
                                   np.zeros(got.shape, dtype=bool), lambda: tolerance[cols][None],
                                   lambda i: f"position {int(ref_positions[cols[i[-1]]])}",
                                   np.asarray(ref_positions)[cols][None], False)

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from test_oracle_schedule import LateKeyDiff  # a defect from the second compression on
 
 from refkv import Engine, policies
 from refkv.cache import EMPTY
@@ -82,18 +83,6 @@ def test_refkv_itself_is_judged_on_its_own_state_in_every_round(keydiff_golden):
         assert [r["judged"] for r in res.per_round] == [4, 4, 4] and res.decisions == 12 and res.unchecked == 0
         assert [r["evicting"] for r in res.per_round] == [4, 4, 4]
         assert res.logits.startswith("max |diff|")
-
-
-class LateKeyDiff(KeyDiff):
-    """A defect from the second compression on: it then keeps the oldest tokens."""
-
-    calls: dict
-
-    def score(self, view):
-        self.calls = getattr(self, "calls", {})
-        self.calls[view.layer] = self.calls.get(view.layer, 0) + 1
-        s = super().score(view)
-        return s if self.calls[view.layer] == 1 else -view.positions.astype(np.float64)
 
 
 def test_a_divergence_leaves_no_later_round_unjudged(keydiff_golden):
