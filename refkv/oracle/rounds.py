@@ -459,6 +459,9 @@ def _state_decisions(candidate, reference, manifest, policy, kept_c, counts_c) -
             positions = state_pos[r, l]
             problem = _state_continues(positions, None if r == 0 else kept_c[r - 1, l, :, :int(counts_c[r - 1, l])],
                                        0 if r == 0 else int(after[r - 1]), int(after[r]))
+            if problem is None and r > 0:
+                problem = _state_carries_rows(positions, state_keys[r, l], state_values[r, l], kept_c[r - 1, l],
+                                              int(counts_c[r - 1, l]), candidate, r - 1, l)
             if problem:
                 out[r, l] = ("problem", "state does not continue the previous round", problem)
                 continue
@@ -466,6 +469,24 @@ def _state_decisions(candidate, reference, manifest, policy, kept_c, counts_c) -
                               None if queries is None else queries[r, l])
             out[r, l] = ("case", case, (positions, state_keys[r, l], state_values[r, l]))
     return out
+
+
+def _state_carries_rows(positions, keys, values, kept_before, count, candidate, before: int, layer: int) -> str | None:
+    """Why a round's state does not hold, bit for bit, the keys and values the candidate's rows held
+    after round ``before`` for the positions it kept then (None if it does, or without
+    ``row_keys`` / ``row_values``): a cache whose rows moved between compressions."""
+    for name, state in (("key", keys), ("value", values)):
+        rows = candidate.get(f"row_{name}s")
+        if rows is None:
+            continue
+        for h in range(positions.shape[0]):
+            column = {int(p): c for c, p in enumerate(positions[h]) if p >= 0}
+            for i, p in enumerate(kept_before[h, :count]):
+                if p >= 0 and int(p) in column and not np.array_equal(rows[before, layer, h, i],
+                                                                        state[h, column[int(p)]]):
+                    return (f"head {h}: its {name} of position {int(p)} is not the {name} row {i} held for it after "
+                            f"round {before}")
+    return None
 
 
 def _replayed_decisions(candidate, reference, manifest, policy, kept_c, counts_c) -> dict:

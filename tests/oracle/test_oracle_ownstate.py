@@ -319,3 +319,17 @@ def test_the_first_divergence_names_the_layers_own_budget():
     res = compare_schedule(cand, a, m)
     assert not res.ok
     assert f"budget {budgets[3]} in layer 3 (N = 40)" in res.failure.splitlines()[0]
+
+
+def test_a_state_whose_rows_moved_between_rounds_fails(keydiff_golden):
+    """The state of round 1 holds the keys of two retained positions swapped: the cache moved rows between
+    compressions, so the decision it shows was made on a cache the candidate did not keep."""
+    m, a = keydiff_golden
+    cand = candidate(policies.get("keydiff"))
+    pos, keys = cand["state_positions"][1, 2, 0], cand["state_keys"][1, 2, 0]
+    p, q = cand["kept"][0, 2, 0, 3], cand["kept"][0, 2, 0, 7]
+    i, j = int(np.flatnonzero(pos == p)[0]), int(np.flatnonzero(pos == q)[0])
+    keys[[i, j]] = keys[[j, i]]
+    res = compare_schedule(cand, a, m)
+    assert not res.ok and res.divergences[0].kind == "state does not continue the previous round"
+    assert f"its key of position {p} is not the key row" in res.failure
