@@ -33,10 +33,14 @@ from ..validation import check_choice, check_int
 __all__ = [
     "ANSWER_PREFIX",
     "CALIBRATION_LENGTHS",
+    "DOCUMENT_SEED",
+    "DOCUMENT_WINDOWS",
     "NEEDLE",
     "QUESTION",
     "RESERVED_SEGMENTS",
+    "build_document_prompt",
     "build_text_prompt",
+    "document_draw",
     "draw",
 ]
 
@@ -122,3 +126,52 @@ def build_text_prompt(tokenizer, source_tokens: np.ndarray, length: int, depth: 
     digits = list(tokenizer.encode(str(key)[1:]))
     key_at = next((i for i in range(len(tokens) - len(digits) + 1) if tokens[i:i + len(digits)] == digits), -1)
     return tokens, key_at
+
+
+# -- phase two: prompts from the shipped documents ------------------------------------------
+#: The seed of phase two's keys and depths (phase one used 0 and 1, its pilot 12345).
+DOCUMENT_SEED = 2
+#: Phase two's windows of 1,024 tokens per document, by purpose (docs/experiment_registration_phase2.json).
+DOCUMENT_WINDOWS = {"perplexity": (0, 1), "calibration": (2, 3), "test": tuple(range(4, 11))}
+#: The width of the windows the documents are cut into.
+WINDOW_TOKENS = 1024
+
+
+def document_draw(seed: int, document: str, window: int) -> dict:
+    """Phase two's random draw for the prompt made of ``window`` of ``document``: its depth and key.
+
+    The stream depends on the document's place in the shipped list, the window and the seed
+    only, never on the policy or the budget, so every policy answers the same prompts.
+    """
+    from .documents import document_names
+
+    names = document_names()
+    if document not in names:
+        raise ValueError(f"document must be one of {', '.join(names)}, got {document!r}")
+    rng = np.random.default_rng([check_int("seed", seed, 0), names.index(document),
+                                 check_int("window", window, 0), 3])
+    return {"depth": float(rng.uniform(0.05, 0.95)), "key": int(rng.integers(10000, 100000))}
+
+
+def build_document_prompt(model_name: str, dtype: str, tokenizer, document: str, window: int, length: int,
+                          seed: int = DOCUMENT_SEED) -> tuple[list[int], int, dict]:
+    """A passkey prompt of about ``length`` tokens whose haystack is window ``window`` of ``document``.
+
+    The haystack is the start of the window (1,024 tokens of the document, cut to the room the
+    frame leaves), so prompts of different windows share no text.
+
+    Returns
+    -------
+    tokens : list of int
+    key_at : int
+        Index of the first token of the key's last four digits (-1 if merged with neighbours).
+    draw : dict
+        ``depth`` and ``key`` (:func:`document_draw`).
+    """
+    from .documents import document_window
+
+    check_int("length", length, 64, WINDOW_TOKENS)
+    d = document_draw(seed, document, window)
+    source = document_window(model_name, dtype, document, WINDOW_TOKENS, window)
+    tokens, key_at = build_text_prompt(tokenizer, source, length, d["depth"], d["key"], 0.0)
+    return tokens, key_at, d

@@ -9,16 +9,16 @@ outside the list (a test's toy grid) for this process.
 
 from __future__ import annotations
 
-from . import attention_loss, geometry, overlap, passkey, perplexity
+from . import attention_loss, geometry, overlap, passkey, perplexity, phase2_passkey
 from .design import Experiment, Option
 from .settings import Settings
 
 __all__ = ["EXPERIMENTS", "check_options", "experiment_options", "get_experiment", "register_experiment",
            "suite"]
 
-#: Every experiment, in the order ``refkv experiment all`` runs them (exploratory ones left out).
+#: Every experiment, in the order ``refkv experiment all`` runs them (exploratory ones and phase grids left out).
 EXPERIMENTS: tuple[Experiment, ...] = (passkey.EXPERIMENT, perplexity.EXPERIMENT, attention_loss.EXPERIMENT,
-                                       geometry.EXPERIMENT, overlap.EXPERIMENT)
+                                       geometry.EXPERIMENT, overlap.EXPERIMENT, phase2_passkey.EXPERIMENT)
 
 _BY_NAME: dict[str, Experiment] = {}
 
@@ -44,8 +44,9 @@ def get_experiment(name: str) -> Experiment:
 
 
 def suite() -> list[Experiment]:
-    """What ``refkv experiment all`` runs: the listed experiments that are not exploratory."""
-    return [experiment for experiment in EXPERIMENTS if not experiment.exploratory]
+    """What ``refkv experiment all`` runs: the listed experiments that are neither exploratory nor a
+    registered phase's grid."""
+    return [experiment for experiment in EXPERIMENTS if not experiment.exploratory and experiment.phase is None]
 
 
 def experiment_options() -> list[Option]:

@@ -59,9 +59,10 @@ def repeat_kv_heads(model: Model) -> Model:
     if group == 1:
         return model
     d = cfg.d_head
+    hkv = cfg.n_kv_heads
     layers = tuple(
-        replace(lw, wk=_repeat_heads(lw.wk, cfg.n_kv_heads, group, d), wv=_repeat_heads(lw.wv, cfg.n_kv_heads, group, d),
-                bk=_repeat_heads(lw.bk, cfg.n_kv_heads, group, d), bv=_repeat_heads(lw.bv, cfg.n_kv_heads, group, d),
+        replace(lw, wk=_repeat_heads(lw.wk, hkv, group, d), wv=_repeat_heads(lw.wv, hkv, group, d),
+                bk=_repeat_heads(lw.bk, hkv, group, d), bv=_repeat_heads(lw.bv, hkv, group, d),
                 wq=np.array(lw.wq), w_gate=np.array(lw.w_gate), w_up=np.array(lw.w_up))
         for lw in model.weights.layers)
     weights: ModelWeights = replace(model.weights, layers=layers)
