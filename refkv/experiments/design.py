@@ -112,9 +112,10 @@ class Experiment:
     exploratory : bool
         True for an experiment that re-tests no paper claim: ``refkv experiment all``
         leaves it out (run it by name).
-    phase : int or None
-        The registered phase a grid belongs to (``2``: ``docs/experiment_registration_phase2.json``);
-        such a grid runs only by name, as its registration orders it, never in ``all``.
+    phase : int, str or None
+        The registered design a grid belongs to: ``2`` (phase two,
+        ``docs/experiment_registration_phase2.json``) or ``"forms"`` (``docs/forms_registration.json``).
+        Such a grid runs only by name, as its registration orders it, never in ``all``.
     check_result : callable or None
         ``check_result(params, result)`` raises a one-line ValueError when a record's result
         read back from the results file is not one this experiment's ``run`` makes (types,
@@ -131,5 +132,5 @@ class Experiment:
     options: tuple[Option, ...] = ()
     table: tuple[str, tuple[str, ...]] | None = None
     exploratory: bool = False
-    phase: int | None = None
+    phase: int | str | None = None
     check_result: Callable[[dict, dict], None] | None = None
