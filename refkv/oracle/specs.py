@@ -28,7 +28,8 @@ from ..policies.spec import parse_spec, parse_spec_list
 from .recipes import AUTHORS_REGIMES, FormRegime
 from .vectors import json_params
 
-__all__ = ["authors_regime", "authors_specs", "golden_spec", "golden_specs", "manifest_spec", "spec_label", "spec_matches", "spec_name", "spec_tag"]
+__all__ = ["authors_regime", "authors_specs", "golden_spec", "golden_specs", "manifest_spec", "spec_label",
+           "spec_matches", "spec_name", "spec_tag"]
 
 #: Characters a tag value may keep as they are (a folder name of :data:`refkv.oracle.kinds.SUITE_PATH`).
 _PLAIN = re.compile(r"[A-Za-z0-9_.-]+")
