@@ -32,6 +32,9 @@ def add_golden_command(sub) -> None:
                    help="only these policies (names or a,b,c), options included: 'adakv(base=keydiff,form=kvpress)' "
                         "or adakv:base=keydiff,form=kvpress (goldens of one policy with other options get other "
                         "file names)")
+    g.add_argument("--authors-forms", action="store_true",
+                   help="the authors' forms (form='authors') of every policy that has one, each in its authors' "
+                        "regime, instead of the defaults: the suite tests/golden-authors")
     g.add_argument("--quiet", action="store_true", help="no progress lines")
     s = g.add_argument_group("schedule goldens for one model and schedule (any of these options: only those "
                              "goldens are written, into a folder without suite.json)")
@@ -150,6 +153,10 @@ def _cmd_generate(args) -> int:
 
     start = time.perf_counter()
     say = None if args.quiet else print
+    if args.authors_forms and args.policies is not None:
+        raise ValueError("--authors-forms and --policies exclude each other (--authors-forms names the policies)")
+    if args.authors_forms and any(getattr(args, name) is not None for name in _SCHEDULE_OPTIONS):
+        raise ValueError("--authors-forms writes a suite, each form in its own regime: no schedule options")
     if any(getattr(args, name) is not None for name in _SCHEDULE_OPTIONS):
         sched = _schedule_of(args)  # every length bounded here, the model's context in generate_schedules
         done = generate_schedules(args.out, _names(args.policies), sched, model=args.model or "tiny",
@@ -158,7 +165,12 @@ def _cmd_generate(args) -> int:
               f"{terminal_text(args.model or 'tiny')} to {terminal_text(args.out)} ({len(done['skipped'])} policies "
               f"skipped) in {time.perf_counter() - start:.1f} s")
         return 0 if done["written"] else 1
-    index = generate_suite(args.out, _names(args.policies), progress=say)
+    if args.authors_forms:
+        from .specs import authors_specs
+
+        index = generate_suite(args.out, authors_specs(), progress=say)
+    else:
+        index = generate_suite(args.out, _names(args.policies), progress=say)
     n_vec = sum(1 for f in index["files"] if f["kind"] == "vectors")
     n_e2e = len(index["files"]) - n_vec
     print(f"wrote {n_vec} vectors files and {n_e2e} end-to-end goldens for {len(index['policies'])} policies "

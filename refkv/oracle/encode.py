@@ -210,6 +210,10 @@ def encode_case(policy: Policy, view: View, *, case_id: int, comment: str, extra
     full = _outputs(policy, view)
     scores, protected, kept = full
     _, head_budgets = kept_rows(policy.keep_indices(view))
+    if head_budgets is None and kept.shape[1] != min(view.keep, view.n):
+        # every head keeps one count other than the budget (PyramidKV's authors' form: its floored
+        # layer schedule, the window on top): stated as head_budgets, as uneven counts are
+        head_budgets = [int(kept.shape[1])] * int(kept.shape[0])
     b = len(view.query_positions)
     stage = "before-attention" if policy.evict_before_attention else "after-attention"
     if stage == "after-attention" and not np.array_equal(

@@ -34,7 +34,7 @@ from ..model.loading import peek_context
 from ..policies.spec import make_policy
 from ..validation import check_lengths
 from .endtoend import end_to_end_files, write_end_to_end
-from .goldens import policy_end_to_end, policy_schedules, policy_vectors
+from .goldens import policy_end_to_end, policy_schedules, policy_vectors, regime_end_to_end, regime_schedules
 from .io import dumps, read_json, sha256
 from .kinds import BY_NAME, KINDS, LISTED
 from .models import MODELS, build_model, context_of
@@ -42,7 +42,7 @@ from .recipes import DECODE_SEED, E2E_MODELS, MODEL_SEED, PROMPT_SEED, library_p
 from .recorder import run_schedule_golden
 from .regenerate import REGENERATION_BOUND
 from .schema import SUITE_SCHEMA, header
-from .specs import golden_specs, spec_name, spec_tag
+from .specs import authors_regime, golden_specs, spec_name, spec_tag
 from .staging import commit, recover, safe_path
 from .suiteindex import existing_index
 
@@ -64,7 +64,9 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
         (:func:`~refkv.oracle.specs.golden_spec`). Default:
         :func:`~refkv.oracle.recipes.library_policies`, every policy refkv itself registers at
         its defaults. An empty list, an unknown name or option, or a spec given twice is a
-        ValueError.
+        ValueError. An authors' form of :func:`~refkv.oracle.specs.authors_specs` gets the
+        goldens of its authors' regime (:data:`~refkv.oracle.recipes.AUTHORS_REGIMES`; the
+        committed suite ``tests/golden-authors``).
     progress : callable, optional
         Called with a line of text per policy.
 
@@ -100,7 +102,8 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
     files: dict[str, bytes] = {}
     entries, skipped = [], []
     for name in names:
-        doc, skips = policy_vectors(name)
+        regime = authors_regime(name)  # an authors' form's goldens keep to its authors' regime
+        doc, skips = policy_vectors(name, regime=regime)
         skipped += skips
         if doc is not None:
             kind = BY_NAME["vectors"]
@@ -109,8 +112,12 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
             entries.append({"path": rel, "kind": kind.listed_as, "policy": name, "sha256": sha256(files[rel]),
                             "cases": doc["number_of_cases"]})
         n_runs = 0
-        made = [(BY_NAME["e2e"], policy_end_to_end(name, model)) for model in E2E_MODELS]
-        made.append((BY_NAME["schedule"], policy_schedules(name)))
+        if regime is None:
+            made = [(BY_NAME["e2e"], policy_end_to_end(name, model)) for model in E2E_MODELS]
+            made.append((BY_NAME["schedule"], policy_schedules(name)))
+        else:
+            made = [(BY_NAME["e2e"], regime_end_to_end(name, regime)),
+                    (BY_NAME["schedule"], regime_schedules(name, regime))]
         for kind, (runs, skips) in made:
             skipped += skips
             n_runs += len(runs)
@@ -140,7 +147,7 @@ def generate_suite(out, policies: list[str] | None = None, *, progress=None) -> 
                         "(e2e/), one-shot and block mode. Check a candidate with: "
                         "refkv golden check CANDIDATE_DIR --against THIS_DIR"),
         "model": {"name": "tiny", "seed": MODEL_SEED},
-        "models": list(E2E_MODELS),
+        "models": _models(all_names),
         "prompt_seed": PROMPT_SEED,
         "regeneration": {
             "float_bound": {kind: dict(b) for kind, b in REGENERATION_BOUND.items()},
@@ -267,6 +274,14 @@ def _schedule_settings(path: Path) -> dict | None:
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: a file is there that is not a readable schedule golden ({err}); refusing to "
                          f"replace it -- use another folder or remove it") from None
+
+
+def _models(specs: list[str]) -> list[str]:
+    """The models a suite of ``specs`` runs: :data:`~refkv.oracle.recipes.E2E_MODELS` for the usual
+    goldens, each authors' form's regime model for its own."""
+    regimes = [authors_regime(spec) for spec in specs]
+    usual = list(E2E_MODELS) if any(r is None for r in regimes) else []
+    return list(dict.fromkeys(usual + [r.model for r in regimes if r is not None]))
 
 
 def _policy_names(policies) -> list[str]:

@@ -40,6 +40,7 @@ from .recipes import (
     REDUCED_DEFAULTS,
     SCHEDULE_SETTINGS,
     VARIANTS,
+    FormRegime,
     Recipe,
     Setting,
 )
@@ -57,7 +58,8 @@ from .synthetic import (
 from .tolerance import DEFAULT_TOLERANCE
 from .vectors import json_params
 
-__all__ = ["policy_end_to_end", "policy_schedules", "policy_vectors"]
+__all__ = ["policy_end_to_end", "policy_schedules", "policy_vectors", "regime_end_to_end", "regime_jobs",
+           "regime_schedules"]
 
 #: Attempts (new positions) at planting an edit until its flag is detected.
 _ATTEMPTS = 16
@@ -121,9 +123,10 @@ def _synthetic_case_at(policy: Policy, recipe: Recipe, budget: int, rng: np.rand
     return case
 
 
-def _engine_case(policy: Policy, budget: int, dtype: str, layer: int, block: int | None, case_id: int):
-    """The last eviction of ``layer`` in a short run of the built-in model (from its Trace)."""
-    model = build_model("tiny", MODEL_SEED, dtype)
+def _engine_case(policy: Policy, budget: int, dtype: str, layer: int, block: int | None, case_id: int,
+                 model_name: str = "tiny"):
+    """The last eviction of ``layer`` in a short run of model ``model_name`` (the built-in one; from its Trace)."""
+    model = build_model(model_name, MODEL_SEED, dtype)
     length = budget + 3 * block if block is not None else budget + 6
     prompt = prompt_tokens(PROMPT_SEED, length, model.config.vocab_size)
     engine = Engine(model, policy, budget, record="views")
@@ -132,17 +135,20 @@ def _engine_case(policy: Policy, budget: int, dtype: str, layer: int, block: int
     if not views:
         raise ValueError(f"layer {layer} never evicted")
     b = "the whole prompt (one-shot)" if block is None else block
-    comment = (f"built-in model (seed {MODEL_SEED}), prompt of {len(prompt)} tokens (seed {PROMPT_SEED}), "
+    which = "built-in model" if model_name == "tiny" else f"model {model_name}"
+    comment = (f"{which} (seed {MODEL_SEED}), prompt of {len(prompt)} tokens (seed {PROMPT_SEED}), "
                f"N={budget}, B={b}: last eviction of layer {layer}")
     return encode_case(policy, views[-1], case_id=case_id, comment=comment, extra_flags=("engine",),
                        mode="block" if block is not None else "oneshot")
 
 
-def policy_vectors(spec: str, *, seed: int = 0) -> tuple[dict | None, list[dict]]:
+def policy_vectors(spec: str, *, seed: int = 0, regime: FormRegime | None = None) -> tuple[dict | None, list[dict]]:
     """The vectors document of policy ``spec`` and the list of skipped cases.
 
     A bare name gets its defaults and its variants (:data:`~refkv.oracle.recipes.VARIANTS`); a
-    spec with options (``adakv:base=keydiff,form=kvpress``) those options alone.
+    spec with options (``adakv:base=keydiff,form=kvpress``) those options alone. ``regime``
+    (an authors' form's, :func:`~refkv.oracle.specs.authors_regime`): its recipes
+    (:func:`regime_jobs`) instead of the suite's.
     """
     name, options = parse_spec(spec)
     skipped: list[dict] = []
@@ -156,13 +162,17 @@ def policy_vectors(spec: str, *, seed: int = 0) -> tuple[dict | None, list[dict]
             skipped.append({"policy": spec, "what": f"vectors with params {json_params(params)}", "reason": str(err)})
             continue
         rng = np.random.default_rng([seed, set_index])
-        budget = _smallest_budget(policy, RECIPES[0])
-        every = set_index == 0 and name not in REDUCED_DEFAULTS
-        jobs = [("recipe", r) for r in BLOCK_RECIPES if every or r.variants]
-        if set_index == 0:
-            jobs[3:3] = [("engine", e) for e in ENGINE_CASES]
-        if set_index > 0 or name not in REDUCED_DEFAULTS:
-            jobs += [("recipe", r) for r in ONESHOT_RECIPES if every or r.variants]
+        if regime is None:
+            budget = _smallest_budget(policy, RECIPES[0])
+            every = set_index == 0 and name not in REDUCED_DEFAULTS
+            jobs = [("recipe", r) for r in BLOCK_RECIPES if every or r.variants]
+            if set_index == 0:
+                jobs[3:3] = [("engine", e) for e in ENGINE_CASES]
+            if set_index > 0 or name not in REDUCED_DEFAULTS:
+                jobs += [("recipe", r) for r in ONESHOT_RECIPES if every or r.variants]
+        else:
+            jobs = regime_jobs(regime)
+            budget = _smallest_budget(policy, next(job for kind, job in jobs if kind == "recipe"))
         cases = []
         size = {"block": 0, "oneshot": 0}
         count = {"block": 0, "oneshot": 0}
@@ -195,7 +205,8 @@ def policy_vectors(spec: str, *, seed: int = 0) -> tuple[dict | None, list[dict]
                 if kind == "recipe":
                     case = _synthetic_case(policy, job, b, rng, case_id + 1)
                 else:
-                    case = _engine_case(policy, b, job[0], job[1], job[2], case_id + 1)
+                    case = _engine_case(policy, b, job[0], job[1], job[2], case_id + 1,
+                                        "tiny" if regime is None else regime.model)
             except ValueError as err:
                 skipped.append({"policy": spec, "what": what, "reason": str(err)})
                 continue
@@ -294,4 +305,60 @@ def policy_schedules(spec: str) -> tuple[list[tuple[str, dict, dict]], list[dict
                 break
             out.append((label, manifest, arrays))
             ran_oneshot_budget |= i == 2
+    return out, skipped
+
+
+# -- the authors' forms, in their regimes --------------------------------------------------------------
+def regime_jobs(regime: FormRegime) -> list[tuple[str, object]]:
+    """The vector jobs of an authors' form: ``("recipe", Recipe)`` of the regime's modes and block
+    sizes, with one query head per KV head where the regime says so, then its engine captures."""
+    jobs = []
+    for recipe in BLOCK_RECIPES + ONESHOT_RECIPES:
+        if recipe.mode not in regime.modes or recipe.largest_block:
+            continue  # the largest block a form takes is one of its modes' (B = 1 for HashEvict's)
+        if recipe.mode == "block" and regime.blocks is not None and recipe.block not in regime.blocks:
+            continue
+        if regime.mha and recipe.n_kv_heads != recipe.n_heads:
+            recipe = replace(recipe, n_kv_heads=recipe.n_heads, comment=recipe.comment.replace(
+                "GQA", f"{recipe.n_heads} KV heads for {recipe.n_heads} query heads (no GQA)"))
+        jobs.append(("recipe", recipe))
+    return jobs + [("engine", e) for e in regime.engine]
+
+
+def regime_end_to_end(spec: str, regime: FormRegime) -> tuple[list[tuple[str, dict, dict]], list[dict]]:
+    """``[(label, manifest, arrays)]`` of the authors' form ``spec``'s end-to-end goldens on its
+    regime's model (each setting in float64 and float32) and the skips."""
+    out, skipped = [], []
+    for setting in regime.e2e:
+        for dtype in ("float64", "float32"):
+            label = setting.label(dtype, regime.model)
+            try:
+                manifest, arrays = run_end_to_end(make_policy(spec), budget=setting.budget,
+                                                  block_size=setting.block_size, dtype=dtype,
+                                                  prompt_length=setting.prompt_length, model_seed=MODEL_SEED,
+                                                  prompt_seed=PROMPT_SEED, model=regime.model)
+            except ValueError as err:
+                skipped.append({"policy": spec, "what": f"e2e {label}", "reason": str(err)})
+                continue
+            out.append((label, manifest, arrays))
+    return out, skipped
+
+
+def regime_schedules(spec: str, regime: FormRegime) -> tuple[list[tuple[str, dict, dict]], list[dict]]:
+    """``[(label, manifest, arrays)]`` of the authors' form ``spec``'s schedule goldens on its
+    regime's model and the skips."""
+    out, skipped = [], []
+    prefix = "" if regime.model == "tiny" else f"{regime.model}-"
+    for setting in regime.schedules:
+        for dtype in setting.dtypes:
+            label = f"{prefix}{setting.label}-{dtype}"
+            try:
+                manifest, arrays = run_schedule_golden(make_policy(spec), setting.schedule, dtype=dtype,
+                                                       prompt_length=setting.prompt_length, model_seed=MODEL_SEED,
+                                                       prompt_seed=PROMPT_SEED, decode_seed=DECODE_SEED,
+                                                       model=regime.model)
+            except ValueError as err:
+                skipped.append({"policy": spec, "what": f"e2e {label}", "reason": str(err)})
+                continue
+            out.append((label, manifest, arrays))
     return out, skipped

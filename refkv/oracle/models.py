@@ -10,12 +10,13 @@ runs them; :mod:`refkv.oracle.endtoend` reads and writes the goldens.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from ..files import OutputFolder
-from ..model import Model, builtin_model, families
+from ..model import TINY, Model, builtin_model, families, random_weights
 from .io import read_json, sha256, write_json, write_npz
 from .schema import header
 
@@ -41,7 +42,17 @@ MODELS: dict[str, Callable[[int, str], Model]] = {
     "llama3": lambda seed, dtype: families.tiny("llama3", seed=seed, dtype=dtype),
     "qwen2": lambda seed, dtype: families.tiny("qwen2", seed=seed, dtype=dtype),
     "qwen3": lambda seed, dtype: families.tiny("qwen3", seed=seed, dtype=dtype),
+    # One KV head per query head (no GQA): the regime of the authors' codes that select per query
+    # head (SnapKV, PyramidKV, Ada-KV) or cannot run on GQA (H2O's real-drop cache); the suite of the
+    # authors' forms (tests/golden-authors, refkv.oracle.recipes.AUTHORS_REGIMES) runs on it.
+    "tiny-mha": lambda seed, dtype: _tiny_mha(seed, dtype),
 }
+
+
+def _tiny_mha(seed: int, dtype: str) -> Model:
+    """The built-in model's config with ``n_kv_heads = n_heads`` and its own seeded random weights."""
+    config = replace(TINY, n_kv_heads=TINY.n_heads, name="tiny-mha")
+    return Model(config, random_weights(config, seed=seed, dtype=dtype))
 
 
 def build_model(name: str, seed: int, dtype) -> Model:
@@ -53,9 +64,7 @@ def build_model(name: str, seed: int, dtype) -> Model:
 
 def context_of(name: str) -> int:
     """The context (``max_positions``) of model ``name`` of :data:`MODELS`, without building it."""
-    from ..model.config import TINY
-
-    return TINY.max_positions if name == "tiny" else families.family_config(name).max_positions
+    return TINY.max_positions if name in ("tiny", "tiny-mha") else families.family_config(name).max_positions
 
 
 def is_checkpoint(manifest: dict) -> bool:

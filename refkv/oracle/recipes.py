@@ -228,3 +228,106 @@ def _schedule_settings(budget: int, prompt: int, fallback_block: int) -> tuple:
 #: 3 decoding rounds each, K in {1, 4, 16}, one-shot and block prefill.
 SCHEDULE_SETTINGS = (_schedule_settings(16, 24, 4), _schedule_settings(40, 48, 8))
 
+
+
+# -- the authors' forms (form="authors"), each in its authors' regime --------------------------------------------
+@dataclass(frozen=True)
+class FormRegime:
+    """Where a policy's authors' form (``form="authors"``) runs: the regime of the authors' code.
+
+    An authors' form reproduces the authors' code *in that code's regime* and refuses the rest
+    (SnapKV's compresses a one-shot prompt once, on one query head per KV head); its goldens keep
+    to the regime, so a backend that ported the authors' code can produce every one of them.
+
+    Attributes
+    ----------
+    options : dict
+        The policy's options besides ``form="authors"`` (those the form needs, and the
+        setting the authors' own candidates in ``tests/authors/`` ran, so those files are
+        checked against these goldens).
+    words : str
+        The regime in words (the docs' table of the authors' goldens).
+    model : str
+        The model of the end-to-end and schedule goldens (:data:`refkv.oracle.models.MODELS`):
+        ``"tiny-mha"`` where the authors' code selects per query head or cannot run GQA.
+    mha : bool
+        Vector cases with one query head per KV head (each recipe's ``n_kv_heads = n_heads``).
+    modes : tuple of str
+        The vector cases' modes (``"oneshot"``, ``"block"``).
+    blocks : tuple of int or None
+        Block-mode recipes of these block sizes only (None: all).
+    engine : tuple
+        Engine captures ``(dtype, layer, B)`` (``B=None``: one-shot) on ``model``.
+    e2e : tuple of Setting
+        End-to-end goldens, each in float64 and float32.
+    schedules : tuple of ScheduleSetting
+        Schedule goldens on ``model``.
+    """
+
+    options: dict
+    words: str
+    model: str
+    mha: bool
+    modes: tuple
+    blocks: tuple | None
+    engine: tuple
+    e2e: tuple
+    schedules: tuple
+
+
+def _prefill_only(budget: int, prompt: int) -> ScheduleSetting:
+    """The prompt compressed once, one-shot, to ``budget``; no decoding (SnapKV-style codes)."""
+    return ScheduleSetting(f"sched-oneshot{budget}-prefill-only", Schedule(None, budget, 1, budget, new_tokens=0),
+                           prompt, ("float64", "float32"))
+
+
+def _decode_never_evicts(budget: int, prompt: int) -> ScheduleSetting:
+    """One-shot prefill to ``budget``, then rounds every 16 tokens that keep every token (codes that
+    never evict while decoding: a candidate must not either)."""
+    return ScheduleSetting(f"sched-oneshot{budget}-K16-N{budget}", Schedule(None, budget, 16, budget, new_tokens=32),
+                           prompt)
+
+
+def _token_by_token(budget: int | None, prompt: int, new_tokens: int) -> ScheduleSetting:
+    """One-shot prompt (to ``budget``, or uncompressed when None), then one eviction per token fed."""
+    prefill = "oneshot" if budget is None else f"oneshot{budget}"
+    return ScheduleSetting(f"sched-{prefill}-K1-N{16 if budget is None else budget}",
+                           Schedule(None, budget, 1, 16 if budget is None else budget, new_tokens=new_tokens),
+                           prompt, ("float64", "float32"))
+
+
+_ONESHOT_ENGINE = (("float64", 3, None), ("float32", 1, None))
+_SMALL_SNAPKV = {"window": 4, "kernel": 3}
+
+#: Each policy with an authors' form (``form="authors"``) and its regime; the specs are
+#: :func:`refkv.oracle.specs.authors_specs`, the suite ``tests/golden-authors``
+#: (``refkv golden generate --out tests/golden-authors --authors-forms``). A policy whose
+#: authors' code keeps what its paper form keeps (``knorm``, ``sink``: ``= paper form`` in
+#: ``refkv policies --forms``) has no form of its own, and its suite goldens serve both.
+AUTHORS_REGIMES: dict[str, FormRegime] = {
+    "snapkv": FormRegime(
+        {"pooling": "max"}, "one-shot prompt compressed once, per query head (tiny-mha); the authors' experiments' "
+        "w = 32, k = 7, max pooling", "tiny-mha", True, ("oneshot",), None, _ONESHOT_ENGINE,
+        (Setting(40, None, 64),), (_prefill_only(40, 64),)),
+    # Its decoding rounds (which keep every token, as PyramidKV's do) are left out: AdaKV's authors'
+    # form scores them with SnapKV's authors' form first, which refuses a decoding block.
+    "adakv": FormRegime(
+        {"base_params": _SMALL_SNAPKV}, "one-shot prompt compressed once, per query head (tiny-mha)",
+        "tiny-mha", True, ("oneshot",), None, _ONESHOT_ENGINE, (Setting(16, None, 40),), (_prefill_only(16, 40),)),
+    "pyramidkv": FormRegime(
+        {"base_params": _SMALL_SNAPKV}, "one-shot prompt compressed once, per query head (tiny-mha); decoding "
+        "keeps every token", "tiny-mha", True, ("oneshot",), None, _ONESHOT_ENGINE,
+        (Setting(16, None, 40),), (_prefill_only(16, 40), _decode_never_evicts(16, 40))),
+    "hashevict": FormRegime(
+        {"hash": "key"}, "one-shot prompt (cut to the first 4 and last N - 4 at the first step), then one "
+        "eviction per generated token", "tiny", False, ("block",), (1,), (("float64", 3, 1), ("float32", 1, 1)),
+        (Setting(16, 1, 28),), (_token_by_token(None, 24, 20),)),
+    "h2o": FormRegime(
+        {"recent": 2}, "real-drop cache without GQA (tiny-mha): the prompt, then one eviction per token",
+        "tiny-mha", True, ("block", "oneshot"), None, ENGINE_CASES,
+        (Setting(8, 4, 40), Setting(16, 1, 28), Setting(16, None, 40)), (_token_by_token(6, 16, 12),)),
+    "tova": FormRegime(
+        {}, "the prompt, then one eviction per token; GQA and not (the mean over all query heads)",
+        "tiny", False, ("block", "oneshot"), None, ENGINE_CASES,
+        (Setting(8, 4, 40), Setting(16, 1, 28), Setting(16, None, 40)), (_token_by_token(6, 16, 12),)),
+}

@@ -12,6 +12,10 @@ spec written by hand and one read back from a golden's manifest agree:
 * :func:`spec_tag`: ``"adakv+base-keydiff+form-kvpress"``, a folder name that tells goldens
   of the same policy with different options apart (``e2e/<tag>/``, ``vectors/<tag>.json``);
 * :func:`spec_label`: ``"adakv(base=keydiff, form=kvpress)"``, what a report prints.
+
+The authors' forms (``form="authors"``) have goldens of their own, each in its authors'
+regime (:data:`refkv.oracle.recipes.AUTHORS_REGIMES`): :func:`authors_specs` lists their
+specs, :func:`authors_regime` gives a spec's regime (the suite ``tests/golden-authors``).
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ import re
 
 from .. import policies as policy_registry
 from ..policies.spec import parse_spec, parse_spec_list
+from .recipes import AUTHORS_REGIMES, FormRegime
 from .vectors import json_params
 
-__all__ = ["golden_spec", "golden_specs", "manifest_spec", "spec_label", "spec_matches", "spec_name", "spec_tag"]
+__all__ = ["authors_regime", "authors_specs", "golden_spec", "golden_specs", "manifest_spec", "spec_label",
+           "spec_matches", "spec_name", "spec_tag"]
 
 #: Characters a tag value may keep as they are (a folder name of :data:`refkv.oracle.kinds.SUITE_PATH`).
 _PLAIN = re.compile(r"[A-Za-z0-9_.-]+")
@@ -146,3 +152,24 @@ def spec_matches(selector: str, spec: str) -> bool:
     if selector.endswith(":"):
         return spec == selector[:-1]
     return selector == spec or (":" not in selector and spec_name(spec) == selector)
+
+
+def authors_specs() -> list[str]:
+    """The canonical spec of every authors' form, in the regime's options
+    (:data:`~refkv.oracle.recipes.AUTHORS_REGIMES`): ``"snapkv:form=authors,pooling=max"``, ...;
+    in the registry's order."""
+    order = policy_registry.available()
+    return [golden_spec(_spec_text(name, {**AUTHORS_REGIMES[name].options, "form": "authors"}))
+            for name in sorted(AUTHORS_REGIMES, key=order.index)]
+
+
+def authors_regime(spec: str) -> FormRegime | None:
+    """The regime of the authors' form ``spec`` (a canonical spec of :func:`authors_specs`); None
+    for any other spec (its goldens are the suite's usual ones)."""
+    regime = AUTHORS_REGIMES.get(spec_name(spec))
+    return regime if regime is not None and spec in authors_specs() else None
+
+
+def _spec_text(name: str, options: dict) -> str:
+    """``name(key=value, ...)`` for the one spec parser (:func:`~refkv.policies.spec.parse_spec`)."""
+    return f"{name}({', '.join(f'{k}={v!r}' for k, v in sorted(options.items()))})"
