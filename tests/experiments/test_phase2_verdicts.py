@@ -256,3 +256,41 @@ def _reproduces(records: Path, published: Path) -> None:
         if row["claim"] != "not run":
             assert (row["t_low"], row["t_high"]) == (verdicts[(row["claim"], row["a"], row["b"])]["low"],
                                                      verdicts[(row["claim"], row["a"], row["b"])]["high"])
+
+
+def test_every_claim_with_records_gets_a_verdict(tmp_path):
+    """Random records of every grid: each registered comparison is tested (or is secondary), the
+    paper effects of C1, M1, A1 and S1 are scaled, HashEvict's seeds are published per document."""
+    rng = np.random.default_rng(5)
+    records = tmp_path / "records"
+    _passkey_records(records, {("full", None, True): 1.0}, lambda p: p["window"] % 2 == 0)
+    _perplexity_records(records, lambda p: 10.0 + (p["policy"] != "full") * (1.0 + rng.random()))
+    cells = [p for p in phase2_texts.perplexity_cells(SETTINGS) if p["policy"] not in ("full", "keydiff", "snapkv")]
+    _write(records, "perplexity2-more.jsonl.gz", "perplexity2", cells, lambda p: {
+        "ppl": 11.0 + rng.random(), "nll": [math.log(11.0 + rng.random())] * 1023})
+    _write(records, "attention_loss2.jsonl.gz", "attention_loss2", phase2_texts.attention_cells(SETTINGS),
+           lambda p: {"mean_loss": 0.03 + 0.01 * rng.random(), "loss_by_layer": [0.03]})
+
+    def geometry(p):
+        if p["kind"] == "cosine":
+            return {"common_queries": {"spearman": rng.normal(0, 0.1, (4, 2)).tolist()},
+                    "spearman_anchor": rng.normal(0, 0.1, (4, 2)).tolist()}
+        if p["kind"] == "hamming":
+            return {"pearson": {"8": rng.normal(0.2, 0.05, (4, 4)).tolist(),
+                                "32": rng.normal(0.3, 0.05, (4, 4)).tolist()}}
+        return {"log_volume": rng.normal(-50, 1, (4, 2)).tolist()}
+    _write(records, "geometry2.jsonl.gz", "geometry2", phase2_texts.geometry_cells(SETTINGS), geometry)
+    out = _run(tmp_path, records)
+    rows = _rows(out, "verdicts.csv")
+    assert len(rows) == 24 and not any(r["verdict"].startswith("not") and r["verdict"] != "not resolved"
+                                       for r in rows)
+    by = {(r["claim"], r["a"], r["b"]): r for r in rows}
+    for key in (("C1", "caote:base=h2o", "h2o"), ("M1", "mat@selected", "sink"), ("S1", "bits=32", "bits=8"),
+                ("A1", "h2o", "hashevict")):
+        assert by[key]["paper_effect"] and by[key]["versus_paper"] in ("larger than the paper", "smaller than "
+                                                                        "the paper", "consistent with the paper")
+    assert by[("S1", "bits=32", "bits=8")]["paper_effect"] == "0.18"
+    assert by[("G1-all", "spearman_all", "")]["verdict"] == "secondary (no verdict)"
+    assert by[("G1-all", "spearman_all", "")]["p_holm"] == ""
+    assert len(_rows(out, "seeds.csv")) == 2 * 21
+    assert len(_rows(out, "bootstrap.csv")) == 8
