@@ -9,7 +9,7 @@ outside the list (a test's toy grid) for this process.
 
 from __future__ import annotations
 
-from . import attention_loss, forms, geometry, overlap, passkey, perplexity, phase2_passkey
+from . import attention_loss, forms, geometry, overlap, passkey, perplexity, phase2_passkey, phase2_texts
 from .design import Experiment, Option
 from .settings import Settings
 
@@ -19,7 +19,7 @@ __all__ = ["EXPERIMENTS", "check_options", "experiment_options", "get_experiment
 #: Every experiment, in the order ``refkv experiment all`` runs them (exploratory ones and phase grids left out).
 EXPERIMENTS: tuple[Experiment, ...] = (passkey.EXPERIMENT, perplexity.EXPERIMENT, attention_loss.EXPERIMENT,
                                        geometry.EXPERIMENT, overlap.EXPERIMENT, phase2_passkey.EXPERIMENT,
-                                       forms.EXPERIMENT)
+                                       *phase2_texts.EXPERIMENTS, forms.EXPERIMENT)
 
 _BY_NAME: dict[str, Experiment] = {}
 

@@ -1,0 +1,141 @@
+"""Phase two's verdicts, recomputed from its committed records alone.
+
+Reads every ``*.jsonl.gz`` under ``_static/experiments/phase2/records/`` (gzip JSON lines, one
+record per cell as ``refkv experiment`` writes it; each record names its experiment:
+``passkey2``, ``perplexity2``, ``attention_loss2``, ``geometry2``), the registration
+(``experiment_registration_phase2.json``) and the power analysis
+(``_static/experiments/phase2/power.csv``, from ``docs/phase2_power.py``), and writes into
+``_static/experiments/phase2/``, each file atomically:
+
+* ``verdicts.csv``: one row per registered comparison, claims in registered order: n,
+  estimate, 95% interval, p, Holm-adjusted p, verdict, the registered power beside "not
+  resolved", the paper effect and label, the kind x policy and document x policy interaction
+  p; a claim without records is "not run", comparison by comparison;
+* ``units.csv``: one row per unit (document, or passkey prompt ``document/window``) and
+  comparison, with its kind, at full precision;
+* ``strata.csv``: per kind (and, for passkey, per document) every comparison's estimate;
+* ``calibration.csv``: the passkey floor and ceiling check, the chosen budget and the power
+  recomputed from the calibration's discordance;
+* ``bootstrap.csv``: the perplexity claims' two-stage bootstrap beside the t interval, with
+  its spread over 20 seeds;
+* ``seeds.csv``: HashEvict's per-seed values per document; ``distinctiveness.csv``: the
+  needle's distinctiveness per test prompt against each policy's answer.
+
+Every rule lives in :mod:`refkv.experiments.phase2_analysis`; this script reads and writes::
+
+    python docs/phase2_verdicts.py            # rewrite the CSVs
+    python docs/phase2_verdicts.py --check    # write nothing; exit 1 naming each CSV that differs
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import sys
+from pathlib import Path
+
+from refkv.experiments.phase2_analysis import (
+    BOOTSTRAP_COLUMNS,
+    BOOTSTRAP_RESAMPLES,
+    BOOTSTRAP_SEEDS,
+    STRATA_COLUMNS,
+    UNIT_COLUMNS,
+    VERDICT_COLUMNS,
+    analyse,
+    read_gzip_records,
+)
+from refkv.experiments.registered import read_registration
+from refkv.experiments.tables import csv_text
+from refkv.files import OutputFolder, read_regular
+
+HERE = Path(__file__).resolve().parent
+REGISTRATION = HERE / "experiment_registration_phase2.json"
+OUT = HERE / "_static" / "experiments" / "phase2"
+RECORDS = OUT / "records"
+POWER = OUT / "power.csv"
+#: Most records files read, and the largest power table.
+MAX_FILES = 64
+MAX_POWER_BYTES = 1 << 20
+
+
+def read_records_folder(folder: Path) -> dict[str, list[dict]]:
+    """``{experiment: records}`` from the ``*.jsonl.gz`` files of ``folder`` (none: ``{}``). A record
+    is filed under its ``experiment`` field; a record of one key in two files: the later file wins."""
+    if not folder.is_dir():
+        return {}
+    paths = sorted(folder.glob("*.jsonl.gz"))
+    if len(paths) > MAX_FILES:
+        raise ValueError(f"{folder}: {len(paths)} records files, more than the {MAX_FILES} allowed")
+    by_key: dict[tuple, dict] = {}
+    for path in paths:
+        for record in read_gzip_records(path):
+            experiment = record.get("experiment")
+            if not isinstance(experiment, str):
+                raise ValueError(f"{path}: a record without its experiment's name (key {record['key'][:60]})")
+            by_key[(experiment, record["key"])] = record
+    out: dict[str, list[dict]] = {}
+    for (experiment, _), record in by_key.items():
+        out.setdefault(experiment, []).append(record)
+    return out
+
+
+def read_power(path: Path) -> dict[tuple, dict]:
+    """``power.csv``'s rows by (claim, a, b)."""
+    text = read_regular(path, MAX_POWER_BYTES, what="power table").decode("utf-8")
+    return {(r["claim"], r["a"], r["b"]): r for r in csv.DictReader(io.StringIO(text))}
+
+
+def table_files(records: Path, power: Path, *, resamples: int = BOOTSTRAP_RESAMPLES,
+                seeds: int = BOOTSTRAP_SEEDS, bootstrap: bool = True) -> dict[str, str]:
+    """Every CSV this script writes (name -> text), computed before any is written (``bootstrap``
+    False: the bootstrap display is left as "not run", for a quick check of the other tables)."""
+    out = analyse(read_registration(REGISTRATION), read_records_folder(records), read_power(power),
+                  n_boot=resamples, seeds=seeds, bootstrap=bootstrap)
+    seed_columns = ["claim", "document", "kind", "hashevict:seed=0", "hashevict:seed=1", "hashevict:seed=2", "mean"]
+    calibration_columns = ["budget", "claim", "a", "b", "mean_accuracy", "verdict", "discordance", "power_at_n"]
+    distinct_columns = ["document", "window", "kind", "distinctiveness", "full",
+                        *sorted({k for r in out["distinctiveness"] for k in r if "@" in k})]
+    return {"verdicts.csv": csv_text(out["verdicts"], VERDICT_COLUMNS),
+            "units.csv": csv_text(out["units"], UNIT_COLUMNS),
+            "strata.csv": csv_text(out["strata"], STRATA_COLUMNS),
+            "calibration.csv": csv_text(out["calibration"], calibration_columns),
+            "bootstrap.csv": csv_text(out["bootstrap"], BOOTSTRAP_COLUMNS),
+            "seeds.csv": csv_text(out["seeds"], seed_columns),
+            "distinctiveness.csv": csv_text(out["distinctiveness"], distinct_columns)}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python docs/phase2_verdicts.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--records", default=str(RECORDS), metavar="DIR",
+                        help=f"the folder of the *.jsonl.gz records (default {RECORDS})")
+    parser.add_argument("--out", default=str(OUT), metavar="DIR", help=f"where the CSVs go (default {OUT})")
+    parser.add_argument("--power", default=str(POWER), metavar="CSV", help=f"the power table (default {POWER})")
+    parser.add_argument("--resamples", type=int, default=BOOTSTRAP_RESAMPLES,
+                        help=f"bootstrap resamples (registered: {BOOTSTRAP_RESAMPLES})")
+    parser.add_argument("--seeds", type=int, default=BOOTSTRAP_SEEDS,
+                        help=f"bootstrap seeds whose spread is shown (registered: {BOOTSTRAP_SEEDS})")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 naming each CSV that differs from what would be written")
+    args = parser.parse_args(argv)  # unknown arguments: exit 2
+    try:
+        folder = OutputFolder(args.out, what="--out", inputs=[args.records, args.power])
+        if args.resamples < 100 or args.seeds < 1:
+            raise ValueError(f"--resamples must be >= 100 and --seeds >= 1, got {args.resamples} and {args.seeds}")
+        files = table_files(Path(args.records), Path(args.power), resamples=args.resamples, seeds=args.seeds)
+    except ValueError as err:
+        parser.error(str(err))
+    stale = folder.publish(files, check=args.check)
+    if args.check:
+        for name in stale:
+            print(f"differs: {folder.path(name)}")
+        print(f"{len(stale)} of {len(files)} files differ")
+        return 1 if stale else 0
+    verdicts = list(csv.DictReader(io.StringIO(files["verdicts.csv"])))
+    ran = sum(not r["verdict"].startswith("not run") for r in verdicts)
+    print(f"{ran} of {len(verdicts)} comparisons have records -> {args.out} ({len(stale)} files changed)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
