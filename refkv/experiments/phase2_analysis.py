@@ -401,23 +401,6 @@ def _label(claim: dict) -> str:
     return "not comparable" if str(claim.get("paper_note", "")).startswith("not comparable") else ""
 
 
-def _stratified_binary(a, b, labels) -> dict:
-    """:func:`~refkv.experiments.stats.stratified_binary`; where its exact interaction test has more
-    tables than it enumerates (21 documents with several discordant prompts each), the per-stratum
-    estimates with a NaN interaction p: never a number the registered test did not compute."""
-    try:
-        return stratified_binary(a, b, labels)
-    except ValueError as err:
-        if "max_tables" not in str(err):
-            raise
-    out = {}
-    for label in dict.fromkeys(labels):
-        mine = np.asarray(labels) == label
-        one = stratified_binary(np.asarray(a)[mine], np.asarray(b)[mine], [label] * int(mine.sum()))
-        out.update(one["strata"])
-    return {"strata": out, "chi_square": float("nan"), "p_interaction": float("nan")}
-
-
 def _stratified_mean(a, b, labels) -> dict:
     """:func:`~refkv.experiments.stats.stratified_mean`, or, when every stratum holds one unit (no
     spread within a stratum, so no ANOVA), each unit's difference and a NaN interaction."""
@@ -465,8 +448,8 @@ def analyse(design: dict, records: dict[str, list[dict]], power: dict[tuple, flo
                     continue
                 comparisons.append(c)
                 docs = [d for d, _ in prompts]
-                by_doc = _stratified_binary(c.a_values, c.b_values, docs)
-                by_kind = _stratified_binary(c.a_values, c.b_values, [document_kind(d) for d in docs])
+                by_doc = stratified_binary(c.a_values, c.b_values, docs)
+                by_kind = stratified_binary(c.a_values, c.b_values, [document_kind(d) for d in docs])
                 strata += _strata_rows(cid, a, b, "kind", by_kind) + _strata_rows(cid, a, b, "document", by_doc)
                 interactions[(cid, a, b)] = (by_kind["p_interaction"], by_doc["p_interaction"])
             continue

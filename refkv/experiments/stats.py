@@ -537,18 +537,31 @@ def _strata(values: np.ndarray, strata) -> tuple[list, np.ndarray]:
     return list(dict.fromkeys(labels.tolist())), labels
 
 
-def discordance_homogeneity(only_a, only_b, *, max_tables: int = 200_000) -> tuple[float, float]:
+def discordance_homogeneity(only_a, only_b) -> tuple[float, float]:
     """Whether the discordant prompts split between A and B alike in every stratum: the source
     x policy interaction of a paired binary comparison.
 
     Stratum ``s`` has ``only_a[s]`` prompts only A answered and ``only_b[s]`` only B. Under the
     null (the same chance ``q`` in every stratum that a discordant prompt favours A), given
     each stratum's discordant count ``m_s`` and the total ``sum only_a``, the ``only_a[s]`` are
-    multivariate hypergeometric. The statistic is Pearson's chi-square of the ``S x 2`` table;
+    multivariate hypergeometric: a table ``x`` has probability
+    ``prod_s C(m_s, x_s) / C(sum m, sum only_a)``. The statistic is Pearson's chi-square of the
+    ``S x 2`` table, ``sum_s (x_s - m_s q)^2 / (m_s q (1 - q))`` with ``q`` the pooled share;
     the p-value is exact: the chance, under that conditional law, of a table with a chi-square
-    at least as large (all tables enumerated; strata with no discordant prompt carry no
-    information and are left out). Returns ``(chi_square, p)``; ``p = 1`` with fewer than two
-    informative strata.
+    at least as large. Strata with no discordant prompt carry no information and are left
+    out. Returns ``(chi_square, p)``; ``p = 1`` with fewer than two informative strata.
+
+    Notes
+    -----
+    Given the totals, the chi-square is an increasing affine function of ``sum_s x_s^2 / m_s``
+    (expand the square: ``sum_s (x_s - m_s q)^2 / m_s = sum_s x_s^2 / m_s - q sum_s x_s``, and
+    ``sum_s x_s`` is fixed), so a table is at least as extreme as the observed one exactly when
+    ``sum_s x_s^2 l / m_s`` (``l`` the least common multiple of the ``m_s``: an integer) is at
+    least the observed value. The tail is computed stratum by stratum, a dynamic program over
+    (prompts given to A so far, that integer so far) with the exact integer weights
+    ``prod C(m_s, x_s)``, not an enumeration of the tables; a state that already reached the
+    observed value counts wholly. Ties are exact: no floating-point tolerance. 21 documents
+    of 7 prompts take well under a second.
     """
     a = np.asarray(only_a, dtype=int)
     b = np.asarray(only_b, dtype=int)
@@ -561,32 +574,26 @@ def discordance_homogeneity(only_a, only_b, *, max_tables: int = 200_000) -> tup
         return 0.0, 1.0
     total, favour = int(m.sum()), int(a.sum())
     q = favour / total
-
-    def chi2(x):
-        expected_a, expected_b = m * q, m * (1 - q)
-        return float(np.sum((x - expected_a) ** 2 / expected_a + ((m - x) - expected_b) ** 2 / expected_b))
-
-    observed = chi2(a)
-    log_norm = _log_comb(total, favour)
-    tail, tables = 0.0, 0
-
-    def walk(i, left, log_p, chosen):
-        nonlocal tail, tables
-        if i == m.size - 1:
-            if 0 <= left <= m[i]:
-                tables += 1
-                if tables > max_tables:
-                    raise ValueError(f"more than max_tables={max_tables} tables to enumerate")
-                x = np.array([*chosen, left])
-                if chi2(x) >= observed - 1e-9 * max(1.0, observed):
-                    tail += math.exp(log_p + _log_comb(int(m[i]), left) - log_norm)
-            return
-        rest = int(m[i + 1:].sum())
-        for k in range(max(0, left - rest), min(int(m[i]), left) + 1):
-            walk(i + 1, left - k, log_p + _log_comb(int(m[i]), k), [*chosen, k])
-
-    walk(0, favour, 0.0, [])
-    return observed, float(min(1.0, tail))
+    observed = float(np.sum((a - m * q) ** 2 / (m * q * (1 - q))))
+    sizes = [int(x) for x in m]
+    lcm = math.lcm(*sizes)
+    scale = [lcm // size for size in sizes]  # x^2 / m_s in units of 1 / lcm
+    target = sum(int(x) ** 2 * w for x, w in zip(a, scale))
+    # states: (prompts given to A so far, sum of x^2 lcm / m so far, or None once it reached target) -> weight
+    states: dict[tuple[int, int | None], int] = {(0, 0): 1}
+    after = [total - sum(sizes[:i + 1]) for i in range(len(sizes))]  # discordant prompts in the later strata
+    for size, w, rest in zip(sizes, scale, after):
+        following: dict[tuple[int, int | None], int] = {}
+        for (given, partial), weight in states.items():
+            for x in range(size + 1):
+                k = given + x
+                if k > favour or favour - k > rest:  # the remaining strata cannot make up the total
+                    continue
+                value = None if partial is None or partial + x * x * w >= target else partial + x * x * w
+                following[(k, value)] = following.get((k, value), 0) + weight * math.comb(size, x)
+        states = following
+    tail = sum(weight for (k, value), weight in states.items() if k == favour and value is None)
+    return observed, float(min(1.0, tail / math.comb(total, favour)))
 
 
 def _log_comb(n: int, k: int) -> float:

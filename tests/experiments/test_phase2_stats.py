@@ -8,6 +8,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from refkv.experiments.stats import (
     discordance_homogeneity,
@@ -152,3 +154,48 @@ def test_rank_auc_by_hand():
     auc, p = rank_auc([0.9, 0.4, 0.5, 0.1], [True, True, False, False])
     assert auc == pytest.approx(0.75)
     assert 0 < p <= 1
+
+
+def _enumerated_homogeneity(only_a, only_b):
+    """The exact tail by enumerating every table with the same margins (the definition)."""
+    import itertools
+    import math
+
+    a, b = np.asarray(only_a), np.asarray(only_b)
+    m = a + b
+    a, m = a[m > 0], m[m > 0]
+    total, favour = int(m.sum()), int(a.sum())
+    q = favour / total
+
+    def chi(x):
+        return float(np.sum((np.asarray(x) - m * q) ** 2 / (m * q * (1 - q))))
+
+    observed = chi(a)
+    tail = sum(math.prod(math.comb(int(mi), xi) for mi, xi in zip(m, x))
+               for x in itertools.product(*[range(int(mi) + 1) for mi in m])
+               if sum(x) == favour and chi(x) >= observed - 1e-9 * max(1.0, observed))
+    return observed, tail / math.comb(total, favour)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), min_size=2, max_size=5))
+def test_discordance_homogeneity_equals_the_enumeration_of_every_table(pairs):
+    only_a, only_b = zip(*pairs)
+    m = np.add(only_a, only_b)
+    assume((m > 0).sum() >= 2 and 0 < np.sum(only_a) < m.sum())
+    chi, p = discordance_homogeneity(only_a, only_b)
+    chi_e, p_e = _enumerated_homogeneity(only_a, only_b)
+    assert chi == pytest.approx(chi_e, rel=1e-12, abs=1e-12)
+    assert p == pytest.approx(p_e, rel=1e-12, abs=1e-15)
+
+
+def test_discordance_homogeneity_decides_21_documents_of_7_prompts():
+    """Phase two's per-document interaction (21 strata of up to 7 discordant prompts: about 8^21
+    tables) is computed, not given up: A winning every discordant prompt in 10 documents and B in
+    the other 11 is an interaction; one document against the rest, among 21, is not."""
+    chi, p = discordance_homogeneity([4] * 10 + [0] * 11, [0] * 10 + [4] * 11)
+    assert chi == pytest.approx(84.0) and 0 < p < 1e-12
+    chi, p = discordance_homogeneity([7] + [1] * 20, [0] + [3] * 20)
+    assert chi == pytest.approx(16.916666666666668) and 0.5 < p < 0.9
+    # the same split in every document is no evidence of an interaction
+    assert discordance_homogeneity([2] * 21, [2] * 21)[1] == pytest.approx(1.0)
