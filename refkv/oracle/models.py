@@ -16,6 +16,7 @@ import numpy as np
 
 from ..files import OutputFolder
 from ..model import Model, builtin_model, families
+from ..model.heads import repeat_kv_heads
 from .io import read_json, sha256, write_json, write_npz
 from .schema import header
 
@@ -41,6 +42,10 @@ MODELS: dict[str, Callable[[int, str], Model]] = {
     "llama3": lambda seed, dtype: families.tiny("llama3", seed=seed, dtype=dtype),
     "qwen2": lambda seed, dtype: families.tiny("qwen2", seed=seed, dtype=dtype),
     "qwen3": lambda seed, dtype: families.tiny("qwen3", seed=seed, dtype=dtype),
+    # ``tiny`` with each KV head repeated for its query heads (refkv.model.heads.repeat_kv_heads):
+    # the regime of the authors' codes that select per query head on a GQA model (SnapKV,
+    # PyramidKV, Ada-KV; tests/authors/).
+    "tiny-kv-repeated": lambda seed, dtype: repeat_kv_heads(builtin_model(seed=seed, dtype=dtype)),
 }
 
 
@@ -55,7 +60,7 @@ def context_of(name: str) -> int:
     """The context (``max_positions``) of model ``name`` of :data:`MODELS`, without building it."""
     from ..model.config import TINY
 
-    return TINY.max_positions if name == "tiny" else families.family_config(name).max_positions
+    return TINY.max_positions if name in ("tiny", "tiny-kv-repeated") else families.family_config(name).max_positions
 
 
 def is_checkpoint(manifest: dict) -> bool:

@@ -47,7 +47,10 @@ __all__ = ["FORMS", "AdaKV", "allocate", "authors_allocation", "build_base", "he
 FORMS = ("paper", "kvpress", "authors")
 #: The authors' code ``form="authors"`` reproduces (Ada-SnapKV, without ``gqa_support``).
 AUTHORS_SOURCE = ("FFY0/AdaKV@efe4e2eea0099bf497f0c175ac5440a915d89f83:adaptive_snapkv/monkeypatch/snapkv_utils.py:"
-                  "297-370, 507-610 (AdaptiveSnapKVCluster.update_kv_wo_gqa)")
+                  "297-370, 507-610 (AdaptiveSnapKVCluster.update_kv_wo_gqa); with base_params gqa_agg: lines "
+                  "335-358, 380-502 (update_kv_gqa, gqa_support=True)")
+#: The group reductions the Ada-KV code's ``gqa_support`` path accepts (``gqa_func``, ``snapkv_utils.py:330``).
+GQA_FUNCS = ("max", "mean")
 
 
 def authors_allocation(candidates: np.ndarray, share: int, alpha: float) -> np.ndarray:
@@ -287,6 +290,9 @@ class AdaKV(Policy):
             if self.base != "snapkv":
                 raise ValueError(f"form='authors' is the authors' Ada-SnapKV: base must be 'snapkv', got {self.base!r}")
             params = {**(params or {}), "form": "authors"}
+            if params.get("gqa_agg") not in (None, *GQA_FUNCS):  # snapkv_utils.py:328-330
+                raise ValueError(f"adakv form='authors': the Ada-KV code's gqa_func (base_params gqa_agg) must be one "
+                                 f"of {GQA_FUNCS}, got {params['gqa_agg']!r}")
         base = build_base(self.base, params, "adakv", refuse=("adakv", "caote"))
         # Ada-Pyramid: pyramidkv's scores are its own base's
         scorer = base.base_policy if base.name == "pyramidkv" else base
