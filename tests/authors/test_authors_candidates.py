@@ -235,3 +235,16 @@ def test_snapkv_authors_form_refuses_a_gqa_cache_and_names_the_repeated_model():
     with pytest.raises(ValueError, match="gqa_func"):  # the Ada-KV code accepts max and mean only
         policies.get("adakv", form="authors", base_params={"window": 4, "gqa_agg": "sum"})
 
+
+
+def test_group_reduce_by_hand_and_a_default_left_out_of_the_manifest():
+    from refkv.policies.snapkv import group_reduce
+
+    sums = np.array([[1.0, 4.0], [3.0, 2.0], [5.0, 0.5], [1.0, 0.5]], dtype=np.float32)  # (H=4, n=2), g=2
+    np.testing.assert_array_equal(group_reduce(sums, 2, "mean"), [[2.0, 3.0], [3.0, 0.5]])
+    np.testing.assert_array_equal(group_reduce(sums, 2, "max"), [[3.0, 4.0], [5.0, 0.5]])
+    np.testing.assert_array_equal(group_reduce(sums, 2, "sum"), [[4.0, 6.0], [6.0, 1.0]])
+    assert group_reduce(sums, 2, "mean").dtype == np.float32
+    # goldens written before gqa_agg existed list every parameter: the default must not appear
+    assert "gqa_agg" not in policies.get("snapkv", form="authors").params()
+    assert policies.get("snapkv", form="authors", gqa_agg="max").params()["gqa_agg"] == "max"
