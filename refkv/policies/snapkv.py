@@ -248,9 +248,10 @@ class SnapKV(Policy):
     forms = MappingProxyType({
         "paper": {"source": "Li et al. 2024, SnapKV, Sec. 4 and Listing 1 (window, pooling, top-k); "
                             "KeyDiff App. A.1, B.2 (w = 32, k = 7, GQA group mean)",
-                  "proven": "not proven against code (the code selects per query head: see form='authors'); "
-                            "on one query head per KV head and average pooling the two forms agree up to the "
-                            "float32 softmax"},
+                  "proven": "the SnapKV code selects per query head (see form='authors'); with average pooling "
+                            "the paper form kept what the code keeps on one query head per KV head, and on GQA "
+                            "what KVCache-Factory's kv_head path (gqa_score_agg='mean') keeps, on the committed "
+                            "candidates of tests/authors/snapkv/ (the float32 softmax aside)"},
         "authors": {"source": f"{AUTHORS_SOURCE}; gqa_agg: {KV_HEAD_SOURCE}",
                     "proven": "identical on the average-pooling configurations of tests/authors/snapkv/ (max pooling "
                               "up to exact torch.topk ties): MHA, GQA per query head on repeat_kv_heads(tiny) "

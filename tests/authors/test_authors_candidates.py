@@ -248,3 +248,22 @@ def test_group_reduce_by_hand_and_a_default_left_out_of_the_manifest():
     # goldens written before gqa_agg existed list every parameter: the default must not appear
     assert "gqa_agg" not in policies.get("snapkv", form="authors").params()
     assert policies.get("snapkv", form="authors", gqa_agg="max").params()["gqa_agg"] == "max"
+
+
+def test_snapkv_paper_form_is_the_kv_head_mean_path_with_average_pooling(tmp_path, capsys):
+    """refkv's group mean (the paper form) keeps what KVCache-Factory's kv_head path with
+    ``gqa_score_agg='mean'`` keeps, and on one query head per KV head what the SnapKV code keeps,
+    with average pooling (the committed candidates; the float32 softmax changes no decision here)."""
+    rows = [r for r in _rows("snapkv") if r["pooling"] == "avg" and r["regime"] in ("mha", "kvhead-mean")]
+    assert {r["regime"] for r in rows} == {"mha", "kvhead-mean"}
+    alone = tmp_path / "candidates"
+    alone.mkdir()
+    for row in rows:
+        candidate = HERE / "snapkv" / Path(row["file"]).name
+        params = read_end_to_end(candidate, candidate=True).manifest["policy"]["params"]
+        _reference(candidate, tmp_path / "paper", {k: v for k, v in params.items() if k not in ("form", "gqa_agg")})
+        for suffix in (".json", ".npz"):
+            (alone / candidate.with_suffix(suffix).name).write_bytes(candidate.with_suffix(suffix).read_bytes())
+    rc = main(["golden", "check", str(alone), "--against", str(tmp_path / "paper"), "--strict-ties"])
+    out = capsys.readouterr().out
+    assert rc == 0 and re.search(rf"\b{len(rows)} files?: {len(rows)} passed", out), out
