@@ -210,7 +210,8 @@ class SnapKV(Policy):
       the weights recomputed as :func:`authors_window_sums` does (a float32 softmax); the
       top ``N - w`` pooled candidates (``topk``, line 62) plus the window are kept. refkv's
       cache holds one row per KV head, so the form needs one query head per KV head
-      (``g = 1``; a GQA model is refused: the code's cache there is one per query head) and
+      (``g = 1``; a GQA cache is refused: the code's cache there is one per query head, which
+      is :func:`refkv.model.heads.repeat_kv_heads` of the model, or set ``gqa_agg``) and
       the whole prompt as one block (a later eviction is refused). Ties: ``torch.topk``'s
       order among equal values is not a documented or stable rule (on torch 2.13 CPU,
       ``topk`` of five equal values with ``k = 2`` returns indices 2 and 4), so refkv keeps
