@@ -17,6 +17,7 @@ import numpy as np
 
 from ..files import OutputFolder
 from ..model import TINY, Model, builtin_model, families, random_weights
+from ..model.heads import repeat_kv_heads
 from .io import read_json, sha256, write_json, write_npz
 from .schema import header
 
@@ -46,6 +47,10 @@ MODELS: dict[str, Callable[[int, str], Model]] = {
     # head (SnapKV, PyramidKV, Ada-KV) or cannot run on GQA (H2O's real-drop cache); the suite of the
     # authors' forms (tests/golden-authors, refkv.oracle.recipes.AUTHORS_REGIMES) runs on it.
     "tiny-mha": lambda seed, dtype: _tiny_mha(seed, dtype),
+    # ``tiny`` with each KV head repeated for its query heads (refkv.model.heads.repeat_kv_heads):
+    # the regime of the authors' codes that select per query head on a GQA model (SnapKV,
+    # PyramidKV, Ada-KV; tests/authors/).
+    "tiny-kv-repeated": lambda seed, dtype: repeat_kv_heads(builtin_model(seed=seed, dtype=dtype)),
 }
 
 
@@ -64,7 +69,8 @@ def build_model(name: str, seed: int, dtype) -> Model:
 
 def context_of(name: str) -> int:
     """The context (``max_positions``) of model ``name`` of :data:`MODELS`, without building it."""
-    return TINY.max_positions if name in ("tiny", "tiny-mha") else families.family_config(name).max_positions
+    tiny = ("tiny", "tiny-mha", "tiny-kv-repeated")
+    return TINY.max_positions if name in tiny else families.family_config(name).max_positions
 
 
 def is_checkpoint(manifest: dict) -> bool:

@@ -47,7 +47,10 @@ __all__ = ["FORMS", "AdaKV", "allocate", "authors_allocation", "build_base", "he
 FORMS = ("paper", "kvpress", "authors")
 #: The authors' code ``form="authors"`` reproduces (Ada-SnapKV, without ``gqa_support``).
 AUTHORS_SOURCE = ("FFY0/AdaKV@efe4e2eea0099bf497f0c175ac5440a915d89f83:adaptive_snapkv/monkeypatch/snapkv_utils.py:"
-                  "297-370, 507-610 (AdaptiveSnapKVCluster.update_kv_wo_gqa)")
+                  "297-370, 507-610 (AdaptiveSnapKVCluster.update_kv_wo_gqa); with base_params gqa_agg: lines "
+                  "335-358, 380-501 (update_kv_gqa, gqa_support=True)")
+#: The group reductions the Ada-KV code's ``gqa_support`` path accepts (``gqa_func``, ``snapkv_utils.py:330``).
+GQA_FUNCS = ("max", "mean")
 
 
 def authors_allocation(candidates: np.ndarray, share: int, alpha: float) -> np.ndarray:
@@ -217,8 +220,12 @@ class AdaKV(Policy):
     form : {"paper", "kvpress", "authors"}, default "paper"
         See :data:`FORMS`. ``"authors"``: FFY0/AdaKV@efe4e2e's Ada-SnapKV (``update_kv_wo_gqa``):
         for a one-shot prompt each head keeps :func:`authors_allocation`'s count of its
-        candidates plus its window, scored by SnapKV's authors' form (one query head per KV
-        head); later evictions keep every token. Needs ``base="snapkv"``.
+        candidates plus its window, scored by SnapKV's authors' form; later evictions keep
+        every token. Needs ``base="snapkv"``. On GQA the code's default selects per query head
+        (run it on :func:`refkv.model.heads.repeat_kv_heads` of the model); its
+        ``gqa_support=True, gqa_func=F`` (``update_kv_gqa``: group reduced by ``F`` before
+        pooling, one cache per KV head, ``H_kv B'`` allocated jointly) is
+        ``base_params={"gqa_agg": F}``, ``F`` in :data:`GQA_FUNCS`.
     base_params : dict, optional
         Parameters of the base when ``base`` is a name (``adakv:base=snapkv`` and
         ``--param "base_params={'window': 8}"`` on the command line).
@@ -268,8 +275,9 @@ class AdaKV(Policy):
                   "proven": "not proven against code: the authors' code mixes the allocation with the uniform one "
                             "(form='authors')"},
         "authors": {"source": AUTHORS_SOURCE,
-                    "proven": "identical on 5 configurations without GQA (tests/authors/adakv/; max pooling up to "
-                              "exact torch.topk ties)"},
+                    "proven": "identical on 5 configurations without GQA and 7 with (tests/authors/adakv/): per "
+                              "query head on repeat_kv_heads(tiny) (model tiny-kv-repeated), per KV head with "
+                              "base_params gqa_agg (gqa_support=True); max pooling up to exact torch.topk ties"},
         "kvpress": {"source": "kvpress 0.5.5 presses/adakv_press.py (AdaKVPress)",
                     "proven": "compared with kvpress in tests/interop/test_interop_grid.py"},
     })
@@ -287,6 +295,9 @@ class AdaKV(Policy):
             if self.base != "snapkv":
                 raise ValueError(f"form='authors' is the authors' Ada-SnapKV: base must be 'snapkv', got {self.base!r}")
             params = {**(params or {}), "form": "authors"}
+            if params.get("gqa_agg") not in (None, *GQA_FUNCS):  # snapkv_utils.py:328-330
+                raise ValueError(f"adakv form='authors': the Ada-KV code's gqa_func (base_params gqa_agg) must be one "
+                                 f"of {GQA_FUNCS}, got {params['gqa_agg']!r}")
         base = build_base(self.base, params, "adakv", refuse=("adakv", "caote"))
         # Ada-Pyramid: pyramidkv's scores are its own base's
         scorer = base.base_policy if base.name == "pyramidkv" else base

@@ -43,7 +43,8 @@ __all__ = ["FORMS", "PyramidKV", "factory_keep", "kvpress_schedule", "pyramid_sc
 FORMS = ("paper", "kvpress", "authors")
 #: The authors' code ``form="authors"`` reproduces.
 AUTHORS_SOURCE = ("Zefan-Cai/KVCache-Factory@c97f9d706d63d1b56e980f8b81b2a924c21162b3:"
-                  "pyramidkv/pyramidkv_utils.py:348-438 (PyramidKVCluster.update_kv, query-head path)")
+                  "pyramidkv/pyramidkv_utils.py:348-438 (PyramidKVCluster.update_kv, query-head path); with "
+                  "base_params gqa_agg: lines 440-467 (_update_kv_kv_head, kv_cache_granularity='kv_head')")
 
 
 def factory_keep(budget: int, window: int, n_layers: int, beta: float, layer: int, prompt: int) -> int:
@@ -179,9 +180,11 @@ class PyramidKV(Policy):
         See :data:`FORMS`. ``"authors"`` reproduces KVCache-Factory@c97f9d7's ``PyramidKVCluster``
         (query-head path): a one-shot prompt of ``T >= N`` is compressed once, layer ``l``
         keeping :func:`factory_keep` tokens per head (floored schedule, uniform ``N`` for
-        ``T < 2(N - w)``, the window on top), scored by SnapKV's authors' form (so one query head
-        per KV head, float32 softmax); later evictions keep every token (the code never evicts
-        while decoding). Needs ``base="snapkv"``.
+        ``T < 2(N - w)``, the window on top), scored by SnapKV's authors' form (float32
+        softmax); later evictions keep every token (the code never evicts while decoding).
+        Needs ``base="snapkv"``. On GQA: per query head (the code's default) on
+        :func:`refkv.model.heads.repeat_kv_heads` of the model; per KV head (its opt-in
+        ``kv_head`` layout, ``gqa_score_agg``) with ``base_params={"gqa_agg": ...}``.
     base_params : dict, optional
         Parameters of the base when it is a name.
 
@@ -230,8 +233,9 @@ class PyramidKV(Policy):
                   "proven": "not proven against code: the authors' code floors the step and keeps more "
                             "(form='authors')"},
         "authors": {"source": AUTHORS_SOURCE,
-                    "proven": "identical on 6 configurations without GQA (tests/authors/pyramidkv/; max pooling up "
-                              "to exact torch.topk ties)"},
+                    "proven": "identical on 6 configurations without GQA and 8 with (tests/authors/pyramidkv/): "
+                              "per query head on repeat_kv_heads(tiny) (model tiny-kv-repeated), per KV head with "
+                              "base_params gqa_agg (the kv_head layout); max pooling up to exact torch.topk ties"},
         "kvpress": {"source": "kvpress 0.5.5 presses/pyramidkv_press.py (PyramidKVPress.get_layer_budget)",
                     "proven": "compared with kvpress in tests/interop/test_interop_grid.py"},
     })

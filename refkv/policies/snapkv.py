@@ -23,7 +23,8 @@ from ..validation import MAX_CONTEXT, check_choice
 from .base import AttentionNeed, Policy, View, check_int, recent_tokens, register
 from .card import PolicyCard
 
-__all__ = ["FORMS", "POOLINGS", "SnapKV", "authors_window_sums", "pool1d", "window_attention"]
+__all__ = ["FORMS", "GQA_AGGS", "POOLINGS", "SnapKV", "authors_window_sums", "group_reduce", "pool1d",
+           "window_attention"]
 
 #: Pooling modes of :func:`pool1d`.
 POOLINGS = ("avg", "max")
@@ -33,6 +34,28 @@ FORMS = ("paper", "authors")
 #: The authors' code this form reproduces.
 AUTHORS_SOURCE = ("FasterDecoding/SnapKV@e216ddc84c5bd210378cbdbbba12ba02102aa640:"
                   "snapkv/monkeypatch/snapkv_utils.py:38-70 (SnapKVCluster.update_kv)")
+#: The KV-head (GQA) path ``gqa_agg`` reproduces: KVCache-Factory's opt-in ``kv_cache_granularity="kv_head"``.
+KV_HEAD_SOURCE = ("Zefan-Cai/KVCache-Factory@c97f9d706d63d1b56e980f8b81b2a924c21162b3:pyramidkv/pyramidkv_utils.py:"
+                  "133-139, 236-298, 541-558 (SnapKVCluster._update_kv_kv_head, gqa_score_agg)")
+#: How ``gqa_agg`` reduces a KV head's query group: KVCache-Factory's ``gqa_score_agg``
+#: (``pyramidkv_utils.py:263-270``); Ada-KV's ``gqa_func`` takes the first two.
+GQA_AGGS = ("mean", "max", "sum")
+
+
+def group_reduce(sums: np.ndarray, group: int, how: str) -> np.ndarray:
+    """Per-query-head scores ``(H, n)`` reduced over each KV head's query group: ``(H / g, n)``.
+
+    Query head ``h`` belongs to KV head ``h // g`` (``repeat_kv``'s layout), so the heads of a
+    group are consecutive: ``(H, n) -> (Hkv, g, n)`` and ``how`` over the ``g`` axis, in the
+    scores' dtype (KVCache-Factory@c97f9d7, ``pyramidkv_utils.py:252-270``; FFY0/AdaKV@efe4e2e,
+    ``snapkv_utils.py:351-358``).
+    """
+    check_choice("gqa_agg", how, GQA_AGGS)
+    grouped = sums.reshape(sums.shape[0] // group, group, *sums.shape[1:])
+    if how == "max":
+        return grouped.max(axis=1)
+    total = grouped.sum(axis=1)
+    return total / sums.dtype.type(group) if how == "mean" else total
 
 
 def authors_window_sums(queries: np.ndarray, keys: np.ndarray, window: int) -> np.ndarray:
@@ -152,6 +175,14 @@ class SnapKV(Policy):
         Padding rule: :func:`pool1d`.
     form : {"paper", "authors"}, default "paper"
         ``"authors"``: the decisions of the SnapKV code (below).
+    gqa_agg : {None, "mean", "max", "sum"}, default None
+        ``form="authors"`` only. ``None``: the SnapKV code's selection **per query head**, which
+        on a GQA model needs :func:`refkv.model.heads.repeat_kv_heads` (one KV head per query
+        head, the code's own regime). A reduction: the KV-head path of KVCache-Factory
+        (``kv_cache_granularity="kv_head"``, its ``gqa_score_agg``) and of Ada-KV
+        (``gqa_support=True``, its ``gqa_func``): each query head's window sums are reduced
+        over its KV head's group (:func:`group_reduce`) **before** the pooling, and one set
+        is kept per KV head.
 
     Notes
     -----
@@ -179,12 +210,21 @@ class SnapKV(Policy):
       the weights recomputed as :func:`authors_window_sums` does (a float32 softmax); the
       top ``N - w`` pooled candidates (``topk``, line 62) plus the window are kept. refkv's
       cache holds one row per KV head, so the form needs one query head per KV head
-      (``g = 1``; a GQA model is refused: the code's cache there is one per query head) and
+      (``g = 1``; a GQA cache is refused: the code's cache there is one per query head, which
+      is :func:`refkv.model.heads.repeat_kv_heads` of the model, or set ``gqa_agg``) and
       the whole prompt as one block (a later eviction is refused). Ties: ``torch.topk``'s
       order among equal values is not a documented or stable rule (on torch 2.13 CPU,
       ``topk`` of five equal values with ``k = 2`` returns indices 2 and 4), so refkv keeps
       its own tie rule; exact ties (frequent with max pooling) are accepted as ties by
       ``refkv golden check``.
+    * **Authors' form on GQA** (``gqa_agg``): the SnapKV code has no KV-head path (its
+      ``update_kv`` takes the repeated keys); KVCache-Factory@c97f9d7 added an opt-in one
+      (``maybe_repeat_kv_before_cache``, ``pyramidkv_utils.py:133-139``; ``SnapKVCluster.
+      _update_kv_kv_head``, lines 541-558): the window's float32-softmax weights of every query
+      head, summed over the window, are reduced over the group by ``gqa_score_agg`` (mean by
+      default, max or sum; lines 273-298), then pooled and selected per KV head with the same
+      window arithmetic. ``gqa_agg`` reproduces it; with one query head per KV head it changes
+      nothing.
     * **Cost**: it reads the window's ``w`` rows of the weights (:meth:`attention_need`),
       so the engine forms the weights of the query tiles that hold them only; in one-shot
       prefill of ``T`` tokens that is ``O(T x max(w, tile))`` weights per head, not ``T^2``.
@@ -209,17 +249,22 @@ class SnapKV(Policy):
     forms = MappingProxyType({
         "paper": {"source": "Li et al. 2024, SnapKV, Sec. 4 and Listing 1 (window, pooling, top-k); "
                             "KeyDiff App. A.1, B.2 (w = 32, k = 7, GQA group mean)",
-                  "proven": "not proven against code (the code selects per query head: see form='authors'); "
-                            "on one query head per KV head and average pooling the two forms agree up to the "
-                            "float32 softmax"},
-        "authors": {"source": AUTHORS_SOURCE,
-                    "proven": "identical on the MHA configurations of tests/authors/snapkv/"},
+                  "proven": "the SnapKV code selects per query head (see form='authors'); with average pooling "
+                            "the paper form kept what the code keeps on one query head per KV head, and on GQA "
+                            "what KVCache-Factory's kv_head path (gqa_score_agg='mean') keeps, on the committed "
+                            "candidates of tests/authors/snapkv/ (the float32 softmax aside)"},
+        "authors": {"source": f"{AUTHORS_SOURCE}; gqa_agg: {KV_HEAD_SOURCE}",
+                    "proven": "identical on the average-pooling configurations of tests/authors/snapkv/ (max pooling "
+                              "up to exact torch.topk ties): MHA, GQA per query head on repeat_kv_heads(tiny) "
+                              "(model tiny-kv-repeated) and GQA per KV head (gqa_agg, KVCache-Factory's "
+                              "SnapKVCluster)"},
     })
 
     window: int = 32
     kernel: int = 7
     pooling: str = "avg"
     form: str = "paper"
+    gqa_agg: str | None = None
 
     def __post_init__(self):
         check_int("window", self.window, 1, MAX_CONTEXT)
@@ -229,8 +274,22 @@ class SnapKV(Policy):
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         check_choice("form", self.form, FORMS)
+        if self.gqa_agg is not None:
+            check_choice("gqa_agg", self.gqa_agg, GQA_AGGS)
+            if self.form != "authors":
+                raise ValueError(f"gqa_agg is a parameter of form='authors' (the authors' KV-head path); the paper "
+                                 f"form averages each group's weights already: leave gqa_agg out, got "
+                                 f"{self.gqa_agg!r}")
         if self.form == "authors":  # the code recomputes the weights from queries and keys
             object.__setattr__(self, "needs", frozenset({"queries", "keys"}))
+
+    def params(self) -> dict:
+        """The dataclass fields; ``gqa_agg`` only when set, so goldens written before it existed
+        (their manifests list every parameter) still name the same policy."""
+        params = super().params()
+        if self.gqa_agg is None:
+            del params["gqa_agg"]
+        return params
 
     def check(self, budget: int, config: ModelConfig) -> None:
         if self.window >= budget:
@@ -251,17 +310,21 @@ class SnapKV(Policy):
         return scores
 
     def _authors_sums(self, view: View) -> np.ndarray:
-        """:func:`authors_window_sums` of the view, in the code's regime only (see Notes)."""
-        b = len(view.query_positions)
-        if view.group_size != 1:
+        """:func:`authors_window_sums` of the view, in the code's regime only (see Notes): (Hkv, n)."""
+        b, group = len(view.query_positions), view.group_size
+        if group != 1 and self.gqa_agg is None:
             raise ValueError(f"snapkv form='authors' selects per query head (the SnapKV code repeats the KV heads "
                              f"first), which a cache of {view.n_kv_heads} KV heads for {view.queries.shape[0]} query "
-                             f"heads cannot hold; use a model with one query head per KV head")
+                             f"heads cannot hold: run it on refkv.model.heads.repeat_kv_heads(model) (one KV head "
+                             f"per query head, the code's regime), or set gqa_agg to one of {GQA_AGGS} "
+                             f"(KVCache-Factory's KV-head path)")
         if b != view.n or b < self.window:
             raise ValueError(f"snapkv form='authors' compresses the prompt once, as one block of at least window="
                              f"{self.window} tokens (the SnapKV code never evicts while decoding); got a block of {b} "
                              f"over {view.n} cached tokens: prefill one-shot and leave decoding uncompressed")
-        return authors_window_sums(view.queries, view.keys, self.window)
+        keys = np.repeat(view.keys, group, axis=0) if group > 1 else view.keys  # (H, n, d): repeat_kv's layout
+        sums = authors_window_sums(view.queries, keys, self.window)  # (H, n)
+        return group_reduce(sums, group, self.gqa_agg) if group > 1 else sums
 
     def protected(self, view: View) -> np.ndarray:
         return recent_tokens(view, self.window)

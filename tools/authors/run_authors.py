@@ -199,136 +199,206 @@ def run_hashevict(repos: Path, out: Path) -> list[dict]:
     return rows
 
 
-# -- SnapKV: SnapKVCluster of FasterDecoding/SnapKV ----------------------------------------------------
-#: (label, MHA, budget N, window w, kernel k, pooling, prompt T): one-shot prefill compressed once.
+# -- GQA: the two regimes of the authors' codes ------------------------------------------------------
+#: A configuration's regime: ``"mha"`` (``tiny-mha``, one query head per KV head); ``"query"`` (the
+#: GQA ``tiny``, the authors' code given the KV heads repeated to the query heads as their models
+#: do: refkv's authors' form runs on ``tiny-kv-repeated``, refkv.model.heads.repeat_kv_heads);
+#: ``"kvhead-<agg>"`` (the GQA ``tiny``, the authors' KV-head path reducing the group by ``agg``:
+#: KVCache-Factory's ``gqa_score_agg``, Ada-KV's ``gqa_func``; refkv's authors' form with
+#: ``gqa_agg=agg`` on ``tiny``).
+REGIMES = ("mha", "query", "kvhead-mean", "kvhead-max", "kvhead-sum")
+
+
+def regime_model(regime: str, dtype: str = "float32") -> tuple[Model, Model, str]:
+    """(the model whose views feed the authors' code, the model refkv's reference runs, its builder name)."""
+    if regime == "mha":
+        model, name = model_for("tiny", True, dtype)
+        return model, model, name
+    tiny = build_model("tiny", 0, dtype)
+    if regime == "query":
+        return tiny, build_model("tiny-kv-repeated", 0, dtype), "tiny-kv-repeated"
+    return tiny, tiny, "tiny"
+
+
+def gqa_agg(regime: str) -> str | None:
+    """The group reduction of a ``kvhead-<agg>`` regime (``None`` otherwise)."""
+    return regime.split("-", 1)[1] if regime.startswith("kvhead-") else None
+
+
+def layer_views(model: Model, prompt, window: int, kernel: int, pooling: str) -> list:
+    """Every layer's view of a one-shot prefill of ``prompt`` (layer order): refkv's queries (H, T, d),
+    keys and values (Hkv, T, d), positions. A budget of ``T - 1`` makes every layer evict once, so
+    the trace holds each layer's view; in a one-shot prefill no layer's input depends on an eviction."""
+    engine = Engine(model, policies.get("snapkv", window=window, kernel=kernel, pooling=pooling), len(prompt) - 1,
+                    record="views")
+    engine.forward(prompt)
+    return [event.view for event in sorted(engine.trace.evictions, key=lambda e: e.layer)]
+
+
+def position_values(view, heads: int):
+    """Values ``(1, heads, T, d)`` whose first entry is each token's position: the clusters only
+    gather values, so what they return names the tokens they kept."""
+    import torch
+
+    dtype = torch.from_numpy(view.keys[:0].copy()).dtype
+    values = torch.zeros((1, heads, view.keys.shape[1], view.keys.shape[2]), dtype=dtype)
+    values[..., 0] = torch.from_numpy(view.positions[0].astype(np.float64))
+    return values
+
+
+def inputs(module, view, regime: str):
+    """(keys, queries, values, groups) as the authors' attention forward hands them to ``update_kv``:
+    the keys repeated to the query heads first (``repeat_kv``, the module's own) except on a
+    KV-head path, where the unrepeated keys go in."""
+    import torch
+
+    groups = view.group_size
+    keys = torch.from_numpy(view.keys.copy())[None]  # (1, Hkv, T, d)
+    if regime == "query":
+        keys = module.repeat_kv(keys, groups)  # (1, H, T, d)
+    return keys, torch.from_numpy(view.queries.copy())[None], position_values(view, keys.shape[1]), groups
+
+
+def split_note(kept: np.ndarray, group: int) -> str:
+    """How often the query heads of one KV head keep different sets (kept: (L, H, N), one row per query head)."""
+    grouped = kept.reshape(kept.shape[0], -1, group, kept.shape[-1])  # (L, Hkv, g, N)
+    pairs = grouped.shape[0] * grouped.shape[1]
+    split = sum(len({tuple(x) for x in grouped[layer, h]}) > 1
+                for layer in range(grouped.shape[0]) for h in range(grouped.shape[1]))
+    return (f"per query head: in {split} of {pairs} (layer, KV head) pairs of the GQA model the group's query heads "
+            f"keep different sets, which one set per KV head (refkv's paper form, gqa_agg) cannot hold")
+
+
+# -- SnapKV: SnapKVCluster of FasterDecoding/SnapKV (and KVCache-Factory's KV-head path) -------------
+#: (label, regime, budget N, window w, kernel k, pooling, prompt T): one-shot prefill compressed once.
 SNAPKV_CONFIGS = (
-    ("mha-N16-w4-k3-avg-T40", True, 16, 4, 3, "avg", 40),
-    ("mha-N24-w8-k5-avg-T48", True, 24, 8, 5, "avg", 48),
-    ("mha-N12-w4-k7-avg-T40", True, 12, 4, 7, "avg", 40),
-    ("mha-N16-w4-k3-max-T40", True, 16, 4, 3, "max", 40),
-    ("mha-N40-w32-k7-max-T64", True, 40, 32, 7, "max", 64),
-    ("mha-N16-w8-k1-avg-T24", True, 16, 8, 1, "avg", 24),
-    ("gqa-N16-w4-k3-avg-T40", False, 16, 4, 3, "avg", 40),
-    ("gqa-N16-w4-k7-max-T40", False, 16, 4, 7, "max", 40),
+    ("mha-N16-w4-k3-avg-T40", "mha", 16, 4, 3, "avg", 40),
+    ("mha-N24-w8-k5-avg-T48", "mha", 24, 8, 5, "avg", 48),
+    ("mha-N12-w4-k7-avg-T40", "mha", 12, 4, 7, "avg", 40),
+    ("mha-N16-w4-k3-max-T40", "mha", 16, 4, 3, "max", 40),
+    ("mha-N40-w32-k7-max-T64", "mha", 40, 32, 7, "max", 64),
+    ("mha-N16-w8-k1-avg-T24", "mha", 16, 8, 1, "avg", 24),
+    ("gqa-N16-w4-k3-avg-T40", "query", 16, 4, 3, "avg", 40),
+    ("gqa-N24-w8-k5-avg-T48", "query", 24, 8, 5, "avg", 48),
+    ("gqa-N12-w4-k7-avg-T40", "query", 12, 4, 7, "avg", 40),
+    ("gqa-N16-w4-k7-max-T40", "query", 16, 4, 7, "max", 40),
+    ("gqa-N40-w32-k7-max-T64", "query", 40, 32, 7, "max", 64),
+    ("kvhead-aggmean-N16-w4-k3-avg-T40", "kvhead-mean", 16, 4, 3, "avg", 40),
+    ("kvhead-aggmax-N24-w8-k5-avg-T48", "kvhead-max", 24, 8, 5, "avg", 48),
+    ("kvhead-aggsum-N12-w4-k7-avg-T40", "kvhead-sum", 12, 4, 7, "avg", 40),
+    ("kvhead-aggmean-N16-w4-k3-max-T40", "kvhead-mean", 16, 4, 3, "max", 40),
 )
 
 
-def snapkv_authors_kept(module, model: Model, prompt, budget: int, window: int, kernel: int, pooling: str):
-    """What ``SnapKVCluster.update_kv`` keeps in every layer after a one-shot prefill: (L, H, N).
+def snapkv_authors_kept(snapkv, factory, model: Model, prompt, budget, window, kernel, pooling, regime):
+    """What the SnapKV cluster keeps in every layer after a one-shot prefill: (L, heads, N).
 
-    The queries and keys are refkv's (the views of its engine's eviction, one per layer; in a
-    one-shot prefill no layer's input depends on an eviction). The keys are repeated to the
-    query heads with the code's own ``repeat_kv`` (as its attention does before calling
-    ``update_kv``). The values handed to it carry each token's position in their first entry:
-    ``update_kv`` only gathers values (``snapkv_utils.py:64-69``), so what it returns names
-    the tokens it kept.
+    ``"mha"``, ``"query"``: FasterDecoding/SnapKV's ``SnapKVCluster.update_kv`` given the keys repeated
+    with the code's own ``repeat_kv`` (``mistral_hijack_4_37.py:97-98``), one set per query head.
+    ``"kvhead-<agg>"``: KVCache-Factory's ``SnapKVCluster`` given the unrepeated keys (its opt-in
+    ``kv_head`` layout, ``maybe_repeat_kv_before_cache``), one set per KV head.
     """
-    import torch
-
-    policy = policies.get("snapkv", window=window, kernel=kernel, pooling=pooling)  # its views only
-    engine = Engine(model, policy, budget, record="views")
-    engine.forward(prompt)
-    cluster = module.SnapKVCluster(window_size=window, max_capacity_prompt=budget, kernel_size=kernel,
-                                   pooling={"avg": "avgpool", "max": "maxpool"}[pooling])
     kept = []
-    for event in sorted(engine.trace.evictions, key=lambda e: e.layer):
-        view = event.view
-        groups = view.group_size
-        keys = module.repeat_kv(torch.from_numpy(view.keys.copy())[None], groups)  # (1, H, T, d)
-        queries = torch.from_numpy(view.queries.copy())[None]  # (1, H, T, d)
-        values = torch.zeros_like(keys)
-        values[..., 0] = torch.from_numpy(view.positions[0].astype(np.float64))  # positions, one per token
+    for view in layer_views(model, prompt, window, kernel, pooling):
+        pool = {"avg": "avgpool", "max": "maxpool"}[pooling]
+        if regime.startswith("kvhead-"):
+            cluster = factory.SnapKVCluster(window_size=window, max_capacity_prompt=budget, kernel_size=kernel,
+                                            pooling=pool, gqa_score_agg=gqa_agg(regime))
+        else:
+            cluster = snapkv.SnapKVCluster(window_size=window, max_capacity_prompt=budget, kernel_size=kernel,
+                                           pooling=pool)
+        keys, queries, values, groups = inputs(snapkv, view, regime)
         _, out = cluster.update_kv(keys, queries, values, None, groups)
         kept.append(np.sort(out[0, :, :, 0].numpy().astype(np.int64), axis=-1))
-    return np.array(kept)  # (L, H, N)
+    return np.array(kept)  # (L, heads, N)
 
 
 def run_snapkv(repos: Path, out: Path) -> list[dict]:
     folder = checkout(repos, REPOSITORIES["snapkv"])
     commit = commit_of(folder)
     module = load_module(folder, "snapkv/monkeypatch/snapkv_utils.py", "authors_snapkv_utils")
+    factory_folder = checkout(repos, REPOSITORIES["pyramidkv"])
+    factory_commit = commit_of(factory_folder)
+    factory = load_module(factory_folder, "pyramidkv/pyramidkv_utils.py", "authors_pyramidkv_utils")
     target = out / "snapkv"
     target.mkdir(parents=True, exist_ok=True)
     rows = []
-    for label, mha, budget, window, kernel, pooling, length in SNAPKV_CONFIGS:
+    for label, regime, budget, window, kernel, pooling, length in SNAPKV_CONFIGS:
         # float32: the code cannot run in float64 (snapkv_utils.py:46 fills a float32 tensor with
         # finfo(float64).min, which overflows); its models run in float16.
-        model, model_name = model_for("tiny", mha, "float32")
-        schedule = Schedule(None, budget, 1, budget, new_tokens=0)
-        form = "authors" if mha else "paper"  # GQA: refkv's authors' form refuses (one cache row per KV head)
-        policy = policies.get("snapkv", window=window, kernel=kernel, pooling=pooling, form=form)
-        manifest, arrays = run_schedule_golden(policy, schedule, dtype="float32", prompt_length=length,
-                                               model=model_name, built=model)
-        theirs = snapkv_authors_kept(module, model, arrays["prompt"], budget, window, kernel, pooling)
-        ours = arrays["kept"][0]  # (L, Hkv, N)
-        row = {"policy": "snapkv", "configuration": label, "model": model_name, "budget": budget, "window": window,
-               "kernel": kernel, "pooling": pooling, "prompt": length, "gqa": not mha, "commit": commit}
-        if mha:
-            candidate = {**manifest, "declare": {"kept_only": True},
-                         "source": {"repository": REPOSITORIES["snapkv"], "commit": commit,
-                                    "code": "snapkv/monkeypatch/snapkv_utils.py SnapKVCluster.update_kv",
-                                    "logits": "not computed by the authors' routine (zeros, not compared: kept_only)"}}
-            write_end_to_end(target / f"{label}.json", candidate,
-                             {"kept": theirs[None], "kept_count": np.full((1, theirs.shape[0]), budget, dtype=np.int64),
-                              "logits": np.zeros_like(arrays["logits"])})
-            write_reference(out, "snapkv", label, manifest, arrays)
-            row.update(identical=bool(np.array_equal(theirs, ours)), form="authors",
-                       file=f"tests/authors/snapkv/{label}.json")
-        else:
-            # the code keeps one set per query head; refkv's paper form one per KV head (group mean)
-            g = model.config.n_heads // model.config.n_kv_heads
-            grouped = theirs.reshape(theirs.shape[0], -1, g, theirs.shape[-1])  # (L, Hkv, g, N)
-            split = int(sum(len({tuple(x) for x in grouped[layer, h]}) > 1
-                            for layer in range(grouped.shape[0]) for h in range(grouped.shape[1])))
-            equal = int(sum(any(np.array_equal(x, ours[layer, h]) for x in grouped[layer, h])
-                            for layer in range(grouped.shape[0]) for h in range(grouped.shape[1])))
-            row.update(identical=False, form="paper (authors' form refuses GQA)",
-                       note=f"per query head: in {split} of {grouped.shape[0] * grouped.shape[1]} (layer, KV head) "
-                            f"pairs the group's query heads keep different sets; in {equal} one of them equals "
-                            f"refkv's group-mean set", file=None)
-        rows.append(row)
-        print(f"snapkv {label}: {row.get('note') or ('identical' if row['identical'] else 'DIFFERENT')}")
+        source, reference, model_name = regime_model(regime)
+        params = {"window": window, "kernel": kernel, "pooling": pooling, "form": "authors"}
+        if gqa_agg(regime):
+            params["gqa_agg"] = gqa_agg(regime)
+        policy = policies.get("snapkv", **params)
+        manifest, arrays = run_schedule_golden(policy, Schedule(None, budget, 1, budget, new_tokens=0),
+                                               dtype="float32", prompt_length=length, model=model_name,
+                                               built=reference)
+        theirs = snapkv_authors_kept(module, factory, source, arrays["prompt"], budget, window, kernel, pooling,
+                                     regime)
+        ours = arrays["kept"][0]  # (L, heads, N)
+        kv_head = regime.startswith("kvhead-")
+        repository, at = (REPOSITORIES["pyramidkv"], factory_commit) if kv_head else (REPOSITORIES["snapkv"], commit)
+        code = ("pyramidkv/pyramidkv_utils.py SnapKVCluster.update_kv (kv_head layout, gqa_score_agg="
+                f"{gqa_agg(regime)!r})" if kv_head else "snapkv/monkeypatch/snapkv_utils.py SnapKVCluster.update_kv"
+                + (" (keys repeated with repeat_kv first)" if regime == "query" else ""))
+        candidate = {**manifest, "declare": {"kept_only": True},
+                     "source": {"repository": repository, "commit": at, "code": code,
+                                "logits": "not computed by the authors' routine (zeros, not compared: kept_only)"}}
+        write_end_to_end(target / f"{label}.json", candidate,
+                         {"kept": theirs[None], "kept_count": np.full((1, theirs.shape[0]), budget, dtype=np.int64),
+                          "logits": np.zeros_like(arrays["logits"])})
+        write_reference(out, "snapkv", label, manifest, arrays)
+        rows.append({"policy": "snapkv", "configuration": label, "model": model_name, "budget": budget,
+                     "window": window, "kernel": kernel, "pooling": pooling, "prompt": length,
+                     "gqa": regime != "mha", "regime": regime, "gqa_agg": gqa_agg(regime), "repository": repository,
+                     "commit": at, "form": "authors", "identical": bool(np.array_equal(theirs, ours)),
+                     "file": f"tests/authors/snapkv/{label}.json"})
+        if regime == "query":
+            rows[-1]["note"] = split_note(theirs, source.config.n_heads // source.config.n_kv_heads)
+        print(f"snapkv {label}: {'identical' if rows[-1]['identical'] else 'DIFFERENT'}")
     write_provenance(target, "snapkv", commit, rows)
     return rows
 
 
 # -- PyramidKV: PyramidKVCluster of Zefan-Cai/KVCache-Factory ----------------------------------------
-#: (label, budget N, window w, kernel k, pooling, beta, prompt T), tiny model without GQA, float32:
-#: the pyramid (T >= 2(N - w)), the capped pyramid, the uniform fallback (N <= T < 2(N - w)), no
-#: compression (T < N), another beta, max pooling.
+#: (label, regime, budget N, window w, kernel k, pooling, beta, prompt T), float32: the pyramid
+#: (T >= 2(N - w)), the capped pyramid, the uniform fallback (N <= T < 2(N - w)), no compression
+#: (T < N), another beta, max pooling; the same on GQA, per query head and per KV head.
 PYRAMIDKV_CONFIGS = (
-    ("N16-w4-k3-avg-b20-T40", 16, 4, 3, "avg", 20, 40),
-    ("N16-w4-k3-avg-b20-T27", 16, 4, 3, "avg", 20, 27),
-    ("N16-w4-k3-avg-b20-T20", 16, 4, 3, "avg", 20, 20),
-    ("N16-w4-k3-avg-b20-T12", 16, 4, 3, "avg", 20, 12),
-    ("N16-w4-k7-avg-b4-T40", 16, 4, 7, "avg", 4, 40),
-    ("N24-w8-k5-max-b20-T48", 24, 8, 5, "max", 20, 48),
+    ("N16-w4-k3-avg-b20-T40", "mha", 16, 4, 3, "avg", 20, 40),
+    ("N16-w4-k3-avg-b20-T27", "mha", 16, 4, 3, "avg", 20, 27),
+    ("N16-w4-k3-avg-b20-T20", "mha", 16, 4, 3, "avg", 20, 20),
+    ("N16-w4-k3-avg-b20-T12", "mha", 16, 4, 3, "avg", 20, 12),
+    ("N16-w4-k7-avg-b4-T40", "mha", 16, 4, 7, "avg", 4, 40),
+    ("N24-w8-k5-max-b20-T48", "mha", 24, 8, 5, "max", 20, 48),
+    ("gqa-N16-w4-k3-avg-b20-T40", "query", 16, 4, 3, "avg", 20, 40),
+    ("gqa-N16-w4-k3-avg-b20-T27", "query", 16, 4, 3, "avg", 20, 27),
+    ("gqa-N16-w4-k7-avg-b4-T40", "query", 16, 4, 7, "avg", 4, 40),
+    ("gqa-N24-w8-k5-max-b20-T48", "query", 24, 8, 5, "max", 20, 48),
+    ("kvhead-aggmean-N16-w4-k3-avg-b20-T40", "kvhead-mean", 16, 4, 3, "avg", 20, 40),
+    ("kvhead-aggmax-N16-w4-k3-avg-b20-T27", "kvhead-max", 16, 4, 3, "avg", 20, 27),
+    ("kvhead-aggsum-N24-w8-k5-avg-b4-T48", "kvhead-sum", 24, 8, 5, "avg", 4, 48),
+    ("kvhead-aggmean-N24-w8-k5-max-b20-T48", "kvhead-mean", 24, 8, 5, "max", 20, 48),
 )
 
 
-def pyramidkv_authors_kept(module, model: Model, prompt, budget, window, kernel, pooling, beta):
-    """What each layer's ``PyramidKVCluster`` keeps after a one-shot prompt: list of (H, keep_l).
+def pyramidkv_authors_kept(module, model: Model, prompt, budget, window, kernel, pooling, beta, regime):
+    """What each layer's ``PyramidKVCluster`` keeps after a one-shot prompt: list of (heads, keep_l).
 
-    As :func:`snapkv_authors_kept`: refkv's queries and keys (the views of a recording engine; in a
-    one-shot prefill no layer's input depends on an eviction), values carrying the positions.
+    The query-head path is given the keys repeated (``maybe_repeat_kv_before_cache`` in the default
+    ``query_head`` layout, ``llama_model.py:173``); the ``kv_head`` layout gives the unrepeated keys
+    and ``update_kv`` takes its ``_update_kv_kv_head`` path (``pyramidkv_utils.py:354-356``).
     """
-    import torch
-
-    n_layers = model.config.n_layers
-    # a budget of T - 1 makes every layer evict once, so the trace holds each layer's view
-    engine = Engine(model, policies.get("snapkv", window=window, kernel=kernel, pooling=pooling), len(prompt) - 1,
-                    record="views")
-    engine.forward(prompt)
     kept = []
-    for event in sorted(engine.trace.evictions, key=lambda e: e.layer):
-        view = event.view
-        cluster = module.PyramidKVCluster(num_hidden_layers=n_layers, window_size=window, max_capacity_prompt=budget,
-                                          kernel_size=kernel, pooling={"avg": "avgpool", "max": "maxpool"}[pooling],
-                                          beta=beta, layer_idx=event.layer)
-        keys = torch.from_numpy(view.keys.copy())[None]
-        values = torch.zeros_like(keys)
-        values[..., 0] = torch.from_numpy(view.positions[0].astype(np.float64))
-        _, out = cluster.update_kv(keys, torch.from_numpy(view.queries.copy())[None], values, None, 1)
+    for layer, view in enumerate(layer_views(model, prompt, window, kernel, pooling)):
+        agg = {"gqa_score_agg": gqa_agg(regime)} if gqa_agg(regime) else {}
+        cluster = module.PyramidKVCluster(num_hidden_layers=model.config.n_layers, window_size=window,
+                                          max_capacity_prompt=budget, kernel_size=kernel,
+                                          pooling={"avg": "avgpool", "max": "maxpool"}[pooling], beta=beta,
+                                          layer_idx=layer, **agg)
+        keys, queries, values, groups = inputs(module, view, regime)
+        _, out = cluster.update_kv(keys, queries, values, None, groups)
         kept.append(np.sort(out[0, :, :, 0].numpy().astype(np.int64), axis=-1))
     return kept
 
@@ -340,21 +410,27 @@ def run_pyramidkv(repos: Path, out: Path) -> list[dict]:
     target = out / "pyramidkv"
     target.mkdir(parents=True, exist_ok=True)
     rows = []
-    for label, budget, window, kernel, pooling, beta, length in PYRAMIDKV_CONFIGS:
-        model, model_name = model_for("tiny", True, "float32")  # float32: as SnapKV's (the same mask code)
-        policy = policies.get("pyramidkv", form="authors", beta=beta,
-                              base_params={"window": window, "kernel": kernel, "pooling": pooling})
+    for label, regime, budget, window, kernel, pooling, beta, length in PYRAMIDKV_CONFIGS:
+        source, reference, model_name = regime_model(regime)  # float32: as SnapKV's (the same mask code)
+        base_params = {"window": window, "kernel": kernel, "pooling": pooling}
+        if gqa_agg(regime):
+            base_params["gqa_agg"] = gqa_agg(regime)
+        policy = policies.get("pyramidkv", form="authors", beta=beta, base_params=base_params)
         manifest, arrays = run_schedule_golden(policy, Schedule(None, budget, 1, budget, new_tokens=0),
-                                               dtype="float32", prompt_length=length, model=model_name, built=model)
-        theirs = pyramidkv_authors_kept(module, model, arrays["prompt"], budget, window, kernel, pooling, beta)
+                                               dtype="float32", prompt_length=length, model=model_name,
+                                               built=reference)
+        theirs = pyramidkv_authors_kept(module, source, arrays["prompt"], budget, window, kernel, pooling, beta,
+                                        regime)
         width = arrays["kept"].shape[-1]
         kept = np.full(arrays["kept"].shape, -1, dtype=np.int64)
         for layer, held in enumerate(theirs):
             kept[0, layer, :, :held.shape[1]] = held[:, :width]
         counts = np.array([[held.shape[1] for held in theirs]], dtype=np.int64)
+        path = ("kv_head layout, _update_kv_kv_head, gqa_score_agg=" + repr(gqa_agg(regime)) if gqa_agg(regime)
+                else "query-head path" + (", keys repeated with repeat_kv first" if regime == "query" else ""))
         candidate = {**manifest, "declare": {"kept_only": True},
                      "source": {"repository": REPOSITORIES["pyramidkv"], "commit": commit,
-                                "code": "pyramidkv/pyramidkv_utils.py PyramidKVCluster.update_kv (query-head path)",
+                                "code": f"pyramidkv/pyramidkv_utils.py PyramidKVCluster.update_kv ({path})",
                                 "logits": "not computed by the authors' routine (zeros, not compared: kept_only)"}}
         write_end_to_end(target / f"{label}.json", candidate,
                          {"kept": kept, "kept_count": counts, "logits": np.zeros_like(arrays["logits"])})
@@ -362,21 +438,33 @@ def run_pyramidkv(repos: Path, out: Path) -> list[dict]:
         same = bool(np.array_equal(kept, arrays["kept"]) and np.array_equal(counts, arrays["kept_count"]))
         rows.append({"policy": "pyramidkv", "configuration": label, "model": model_name, "budget": budget,
                      "window": window, "kernel": kernel, "pooling": pooling, "beta": beta, "prompt": length,
-                     "gqa": False, "kept_per_layer": counts[0].tolist(), "identical": same, "commit": commit,
-                     "file": f"tests/authors/pyramidkv/{label}.json"})
+                     "gqa": regime != "mha", "regime": regime, "gqa_agg": gqa_agg(regime),
+                     "repository": REPOSITORIES["pyramidkv"], "kept_per_layer": counts[0].tolist(),
+                     "identical": same, "commit": commit, "file": f"tests/authors/pyramidkv/{label}.json"})
+        if regime == "query":
+            rows[-1]["note"] = split_note(kept[0], source.config.n_heads // source.config.n_kv_heads)
         print(f"pyramidkv {label}: {counts[0].tolist()} {'identical' if same else 'DIFFERENT'}")
     write_provenance(target, "pyramidkv", commit, rows)
     return rows
 
 
 # -- Ada-KV: AdaptiveSnapKVCluster of FFY0/AdaKV ------------------------------------------------------
-#: (label, budget N, window w, kernel k, pooling, alpha, prompt T): tiny model without GQA, float32.
+#: (label, regime, budget N, window w, kernel k, pooling, alpha, prompt T), float32. GQA: per query
+#: head (``gqa_support=False``: the code repeats the keys itself) and per KV head
+#: (``gqa_support=True`` with ``gqa_func`` mean or max, the only two it accepts).
 ADAKV_CONFIGS = (
-    ("N16-w4-k3-avg-a0.2-T40", 16, 4, 3, "avg", 0.2, 40),
-    ("N16-w4-k3-avg-a0.5-T40", 16, 4, 3, "avg", 0.5, 40),
-    ("N24-w8-k5-avg-a0.2-T48", 24, 8, 5, "avg", 0.2, 48),
-    ("N12-w4-k7-max-a0.2-T40", 12, 4, 7, "max", 0.2, 40),
-    ("N16-w4-k3-avg-a0-T40", 16, 4, 3, "avg", 0.0, 40),
+    ("N16-w4-k3-avg-a0.2-T40", "mha", 16, 4, 3, "avg", 0.2, 40),
+    ("N16-w4-k3-avg-a0.5-T40", "mha", 16, 4, 3, "avg", 0.5, 40),
+    ("N24-w8-k5-avg-a0.2-T48", "mha", 24, 8, 5, "avg", 0.2, 48),
+    ("N12-w4-k7-max-a0.2-T40", "mha", 12, 4, 7, "max", 0.2, 40),
+    ("N16-w4-k3-avg-a0-T40", "mha", 16, 4, 3, "avg", 0.0, 40),
+    ("gqa-N16-w4-k3-avg-a0.2-T40", "query", 16, 4, 3, "avg", 0.2, 40),
+    ("gqa-N24-w8-k5-avg-a0.5-T48", "query", 24, 8, 5, "avg", 0.5, 48),
+    ("gqa-N12-w4-k7-max-a0.2-T40", "query", 12, 4, 7, "max", 0.2, 40),
+    ("kvhead-aggmean-N16-w4-k3-avg-a0.2-T40", "kvhead-mean", 16, 4, 3, "avg", 0.2, 40),
+    ("kvhead-aggmax-N16-w4-k3-avg-a0.2-T40", "kvhead-max", 16, 4, 3, "avg", 0.2, 40),
+    ("kvhead-aggmean-N24-w8-k5-avg-a0-T48", "kvhead-mean", 24, 8, 5, "avg", 0.0, 48),
+    ("kvhead-aggmax-N12-w4-k7-max-a0.5-T40", "kvhead-max", 12, 4, 7, "max", 0.5, 40),
 )
 
 
@@ -397,28 +485,28 @@ def flash_attn_stub() -> None:
     sys.modules["flash_attn"] = stub
 
 
-def adakv_authors_kept(module, model: Model, prompt, budget, window, kernel, pooling, alpha):
+def adakv_authors_kept(module, model: Model, prompt, budget, window, kernel, pooling, alpha, regime):
     """What each layer's ``AdaptiveSnapKVCluster`` keeps after a one-shot prompt: per layer, the
-    kept positions of every head (ragged), from refkv's queries and keys (values carry positions)."""
+    kept positions of every head (ragged), from refkv's queries and keys (values carry positions).
+
+    As the authors' attention forward (``adaptive_mistral_hijack.py:241``) the cluster receives
+    the unrepeated keys and values: ``update_kv_wo_gqa`` repeats them itself (``snapkv_utils.py:508-509``)
+    and selects per query head; ``update_kv_gqa`` (``gqa_support=True``) selects per KV head.
+    """
     import torch
 
-    n_layers = model.config.n_layers
-    engine = Engine(model, policies.get("snapkv", window=window, kernel=kernel, pooling=pooling), len(prompt) - 1,
-                    record="views")
-    engine.forward(prompt)
     kept = []
-    for event in sorted(engine.trace.evictions, key=lambda e: e.layer):
-        view = event.view
+    for layer, view in enumerate(layer_views(model, prompt, window, kernel, pooling)):
+        gqa = {"gqa_support": True, "gqa_func": gqa_agg(regime)} if gqa_agg(regime) else {}
         cluster = module.AdaptiveSnapKVCluster(window_size=window, kernel_size=kernel,
                                                pooling={"avg": "avgpool", "max": "maxpool"}[pooling],
                                                base_capacity=budget, floor_alpha=alpha, skip=0, normalize=None,
-                                               layer_idx=event.layer, num_hidden_layers=n_layers)
-        keys = torch.from_numpy(view.keys.copy())[None]
-        values = torch.zeros_like(keys)
-        values[..., 0] = torch.from_numpy(view.positions[0].astype(np.float64))
+                                               layer_idx=layer, num_hidden_layers=model.config.n_layers,
+                                               num_key_value_groups=view.group_size, **gqa)
+        keys = torch.from_numpy(view.keys.copy())[None]  # (1, Hkv, T, d): the code repeats them when it must
+        values = position_values(view, keys.shape[1])
         _, flat = cluster.update_kv(keys, torch.from_numpy(view.queries.copy())[None], values)
-        lengths = cluster.head_lens.tolist()
-        rows = torch.split(flat[:, 0], lengths)
+        rows = torch.split(flat[:, 0], cluster.head_lens.tolist())
         kept.append([np.sort(r.numpy().astype(np.int64)) for r in rows])
     return kept
 
@@ -431,23 +519,28 @@ def run_adakv(repos: Path, out: Path) -> list[dict]:
     target = out / "adakv"
     target.mkdir(parents=True, exist_ok=True)
     rows = []
-    for label, budget, window, kernel, pooling, alpha, length in ADAKV_CONFIGS:
-        model, model_name = model_for("tiny", True, "float32")
-        policy = policies.get("adakv", form="authors", alpha=alpha,
-                              base_params={"window": window, "kernel": kernel, "pooling": pooling})
+    for label, regime, budget, window, kernel, pooling, alpha, length in ADAKV_CONFIGS:
+        source, reference, model_name = regime_model(regime)
+        base_params = {"window": window, "kernel": kernel, "pooling": pooling}
+        if gqa_agg(regime):
+            base_params["gqa_agg"] = gqa_agg(regime)
+        policy = policies.get("adakv", form="authors", alpha=alpha, base_params=base_params)
         manifest, arrays = run_schedule_golden(policy, Schedule(None, budget, 1, budget, new_tokens=0),
-                                               dtype="float32", prompt_length=length, model=model_name, built=model)
-        theirs = adakv_authors_kept(module, model, arrays["prompt"], budget, window, kernel, pooling, alpha)
+                                               dtype="float32", prompt_length=length, model=model_name,
+                                               built=reference)
+        theirs = adakv_authors_kept(module, source, arrays["prompt"], budget, window, kernel, pooling, alpha, regime)
         width = max(arrays["kept"].shape[-1], max(len(r) for layer in theirs for r in layer))
         kept = np.full((*arrays["kept"].shape[:3], width), -1, dtype=np.int64)
         for layer, per_head in enumerate(theirs):
             for h, r in enumerate(per_head):
                 kept[0, layer, h, :len(r)] = r
         counts = np.array([[max(len(r) for r in layer) for layer in theirs]], dtype=np.int64)
+        path = (f"update_kv_gqa, gqa_support=True, gqa_func={gqa_agg(regime)!r}" if gqa_agg(regime)
+                else "update_kv_wo_gqa, gqa_support=False" + (", keys repeated inside" if regime == "query" else ""))
         candidate = {**manifest, "declare": {"kept_only": True},
                      "source": {"repository": REPOSITORIES["adakv"], "commit": commit,
-                                "code": "adaptive_snapkv/monkeypatch/snapkv_utils.py AdaptiveSnapKVCluster.update_kv "
-                                        "(gqa_support=False); flash_attn stubbed (imported, never called)",
+                                "code": f"adaptive_snapkv/monkeypatch/snapkv_utils.py AdaptiveSnapKVCluster.update_kv "
+                                        f"({path}); flash_attn stubbed (imported, never called)",
                                 "logits": "not computed by the authors' routine (zeros, not compared: kept_only)"}}
         write_end_to_end(target / f"{label}.json", candidate,
                          {"kept": kept, "kept_count": counts, "logits": np.zeros_like(arrays["logits"])})
@@ -457,8 +550,11 @@ def run_adakv(repos: Path, out: Path) -> list[dict]:
         per_head = [[len(r) for r in layer] for layer in theirs]
         rows.append({"policy": "adakv", "configuration": label, "model": model_name, "budget": budget,
                      "window": window, "kernel": kernel, "pooling": pooling, "alpha": alpha, "prompt": length,
-                     "gqa": False, "kept_per_head": per_head, "identical": same, "commit": commit,
-                     "file": f"tests/authors/adakv/{label}.json"})
+                     "gqa": regime != "mha", "regime": regime, "gqa_agg": gqa_agg(regime),
+                     "repository": REPOSITORIES["adakv"], "kept_per_head": per_head, "identical": same,
+                     "commit": commit, "file": f"tests/authors/adakv/{label}.json"})
+        if regime == "query":
+            rows[-1]["note"] = split_note(kept[0], source.config.n_heads // source.config.n_kv_heads)
         print(f"adakv {label}: {per_head} {'identical' if same else 'DIFFERENT'}")
     write_provenance(target, "adakv", commit, rows)
     return rows
