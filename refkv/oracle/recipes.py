@@ -309,11 +309,10 @@ AUTHORS_REGIMES: dict[str, FormRegime] = {
         {"pooling": "max"}, "one-shot prompt compressed once, per query head (tiny-mha); the authors' experiments' "
         "w = 32, k = 7, max pooling", "tiny-mha", True, ("oneshot",), None, _ONESHOT_ENGINE,
         (Setting(40, None, 64),), (_prefill_only(40, 64),)),
-    # Its decoding rounds (which keep every token, as PyramidKV's do) are left out: AdaKV's authors'
-    # form scores them with SnapKV's authors' form first, which refuses a decoding block.
     "adakv": FormRegime(
-        {"base_params": _SMALL_SNAPKV}, "one-shot prompt compressed once, per query head (tiny-mha)",
-        "tiny-mha", True, ("oneshot",), None, _ONESHOT_ENGINE, (Setting(16, None, 40),), (_prefill_only(16, 40),)),
+        {"base_params": _SMALL_SNAPKV}, "one-shot prompt compressed once, per query head (tiny-mha); decoding "
+        "keeps every token", "tiny-mha", True, ("oneshot",), None, _ONESHOT_ENGINE, (Setting(16, None, 40),),
+        (_prefill_only(16, 40), _decode_never_evicts(16, 40))),
     "pyramidkv": FormRegime(
         {"base_params": _SMALL_SNAPKV}, "one-shot prompt compressed once, per query head (tiny-mha); decoding "
         "keeps every token", "tiny-mha", True, ("oneshot",), None, _ONESHOT_ENGINE,

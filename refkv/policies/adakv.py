@@ -348,12 +348,14 @@ class AdaKV(Policy):
 
     def score(self, view: View) -> np.ndarray:
         """(Hkv, n) the base's scores, normalised per head (``form="paper"``); ``-inf`` in empty slots."""
+        if self.form == "authors" and not self._prompt(view):
+            # decoding: every token is kept (head_budgets); the base is not asked, since SnapKV's
+            # authors' form refuses any block but the prompt
+            return np.zeros(view.positions.shape)
         if _uneven(view):
             base = _per_head(view, self._base.score, -np.inf)
         else:
             base = np.asarray(self._base.score(view))
-        if self.form == "authors" and not self._prompt(view):
-            return np.zeros(view.positions.shape)  # decoding: every token is kept (head_budgets)
         if self.form in ("kvpress", "authors"):
             return base
         lengths = view.head_lengths
