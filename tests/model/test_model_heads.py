@@ -23,8 +23,9 @@ def test_repeated_model_has_one_kv_head_per_query_head(tiny):
     d = tiny.config.d_head
     for narrow, repeated in zip(tiny.weights.layers, wide.weights.layers):
         for h in range(tiny.config.n_heads):  # query head h read KV head h // g; now its own copy h
-            np.testing.assert_array_equal(repeated.wk[:, h * d:(h + 1) * d], narrow.wk[:, (h // g) * d:(h // g + 1) * d])
-            np.testing.assert_array_equal(repeated.wv[:, h * d:(h + 1) * d], narrow.wv[:, (h // g) * d:(h // g + 1) * d])
+            own, shared = slice(h * d, (h + 1) * d), slice((h // g) * d, (h // g + 1) * d)
+            np.testing.assert_array_equal(repeated.wk[:, own], narrow.wk[:, shared])
+            np.testing.assert_array_equal(repeated.wv[:, own], narrow.wv[:, shared])
 
 
 def test_without_eviction_the_repeated_model_computes_the_same_logits(tiny):
