@@ -20,7 +20,6 @@ negative log-likelihood is recorded token by token).
 from __future__ import annotations
 
 import math
-import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from .design import Experiment
 from .documents import document_kind, document_names, document_window
 from .haystack import DOCUMENT_SEED, WINDOW_TOKENS, build_document_prompt
 from .models import load_model
-from .passkey import _needle_retention
+from .passkey import _needle_retention, answer_key
 from .perplexity import token_nll
 from .settings import Settings
 from .tables import write_csv
@@ -130,13 +129,9 @@ def run_cell(params: dict) -> dict:
                                                      params["seed"])
         logits = _prompt(engine, params, np.asarray(tokens, dtype=np.int64))
         kept = _needle_retention(engine, key_at, 4)
-        answer = engine.generate(logits, params["max_new_tokens"], eos=getattr(tokenizer, "stop_ids", ()))
-        text = tokenizer.decode(answer)
-        match = re.search(r"\d+", text)
-        predicted = match.group(0) if match else ""
-        return {**base, "key": draw["key"], "depth": draw["depth"], "needle_position": key_at, "answer": text,
-                "predicted": predicted, "correct": predicted == str(draw["key"]), "needle_retention": kept,
-                "peak_cache_tokens": int(engine.stats.peak_cache_tokens)}
+        answered = answer_key(engine, logits, tokenizer, draw["key"], params["max_new_tokens"])
+        return {**base, "key": draw["key"], "depth": draw["depth"], "needle_position": key_at, **answered,
+                "needle_retention": kept, "peak_cache_tokens": int(engine.stats.peak_cache_tokens)}
     tokens = document_window(params["model"], params["dtype"], params["document"], WINDOW_TOKENS,
                              params["window"])[:params["length"]]
     prompt = params["prompt"]

@@ -62,7 +62,8 @@ from .stats import mcnemar_exact, mean_std, paired_proportion_difference, wilson
 from .tables import write_csv
 from .text import prose_tail
 
-__all__ = ["EXPERIMENT", "PASSKEY_LENGTHS", "PASSKEY_PROMPTS", "build_prompt", "cells", "run_cell", "summarise"]
+__all__ = ["EXPERIMENT", "PASSKEY_LENGTHS", "PASSKEY_PROMPTS", "answer_key", "build_prompt", "cells", "run_cell",
+           "summarise"]
 
 #: Prompts per cell, spread evenly over the needle depths (rounded up to a multiple of their number).
 PASSKEY_PROMPTS = Option("passkey_prompts", "passkey prompts per cell (spread over the needle depths)",
@@ -284,12 +285,7 @@ def run_cell(params: dict) -> dict:
     if skipped is not None:
         return {**base, "skipped": skipped}
     kept = _needle_retention(engine, needle_at, 4)
-    answer = engine.generate(logits, params["max_new_tokens"], eos=getattr(tokenizer, "stop_ids", ()))
-    text = tokenizer.decode(answer)
-    match = re.search(r"\d+", text)
-    predicted = match.group(0) if match else ""
-    return {**base, "answer": text, "predicted": predicted, "correct": predicted == str(key),
-            "needle_retention": kept}
+    return {**base, **answer_key(engine, logits, tokenizer, key, params["max_new_tokens"]), "needle_retention": kept}
 
 
 def _run_registered(params: dict) -> dict:
@@ -307,12 +303,17 @@ def _run_registered(params: dict) -> dict:
     if params["policy"] == "full":
         base["needle_distinctiveness"] = _needle_distinctiveness(engine, needle_at, 4)
     kept = _needle_retention(engine, needle_at, 4)
-    answer = engine.generate(logits, params["max_new_tokens"], eos=getattr(tokenizer, "stop_ids", ()))
-    text = tokenizer.decode(answer)
+    return {**base, **answer_key(engine, logits, tokenizer, d["key"], params["max_new_tokens"]),
+            "needle_retention": kept}
+
+
+def answer_key(engine: Engine, logits: np.ndarray, tokenizer, key: int, max_new_tokens: int) -> dict:
+    """Answer greedily from the prompt's last ``logits``; correct when the first number in the
+    answer is ``key`` (exact match). Returns ``answer`` (the text), ``predicted`` and ``correct``."""
+    text = tokenizer.decode(engine.generate(logits, max_new_tokens, eos=getattr(tokenizer, "stop_ids", ())))
     match = re.search(r"\d+", text)
     predicted = match.group(0) if match else ""
-    return {**base, "answer": text, "predicted": predicted, "correct": predicted == str(d["key"]),
-            "needle_retention": kept}
+    return {"answer": text, "predicted": predicted, "correct": predicted == str(key)}
 
 
 def _needle_distinctiveness(engine: Engine, start: int, width: int) -> float | None:

@@ -21,7 +21,6 @@ full cache, the needle's distinctiveness by KeyDiff's score (the registered disp
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,7 @@ from .design import Experiment, Option
 from .documents import document_kind, document_names
 from .haystack import DOCUMENT_SEED, DOCUMENT_WINDOWS, build_document_prompt
 from .models import load_model
-from .passkey import _needle_distinctiveness, _needle_retention
+from .passkey import _needle_distinctiveness, _needle_retention, answer_key
 from .prefill import prefill_or_skip
 from .settings import Settings
 from .tables import write_csv
@@ -107,11 +106,7 @@ def run_cell(params: dict) -> dict:
     if params["policy"] == "full":
         base["needle_distinctiveness"] = _needle_distinctiveness(engine, key_at, 4)
     kept = _needle_retention(engine, key_at, 4)
-    answer = engine.generate(logits, params["max_new_tokens"], eos=getattr(tokenizer, "stop_ids", ()))
-    text = tokenizer.decode(answer)
-    match = re.search(r"\d+", text)
-    predicted = match.group(0) if match else ""
-    return {**base, "answer": text, "predicted": predicted, "correct": predicted == str(draw["key"]),
+    return {**base, **answer_key(engine, logits, tokenizer, draw["key"], params["max_new_tokens"]),
             "needle_retention": kept}
 
 
