@@ -6,7 +6,7 @@ Usage (from the repository root)::
 
 ``RECORDS`` defaults to ``docs/_static/experiments/forms/records/forms.jsonl.gz`` (gzip JSON
 lines as ``refkv experiment forms`` writes them), ``OUT`` to ``docs/_static/experiments/forms``.
-It writes, atomically:
+It writes, atomically, through refkv's guarded output folder:
 
 * ``units.csv``: one row per comparison, metric and unit (prompt or document) with A's and
   B's value, from which every number below is computed;
@@ -21,15 +21,14 @@ A comparison whose records are missing is written as ``not run``, never left out
 from __future__ import annotations
 
 import csv
-import gzip
 import io
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from refkv.experiments.forms import COMPARISONS, label
+from refkv.experiments.phase2_analysis import read_gzip_records
 from refkv.experiments.stats import (
     holm,
     mcnemar_exact,
@@ -38,37 +37,19 @@ from refkv.experiments.stats import (
     stratified_binary,
     stratified_mean,
 )
-from refkv.files import atomic_write
+from refkv.files import OutputFolder, load_json
 
 ROOT = Path(__file__).resolve().parent
 RECORDS = ROOT / "_static" / "experiments" / "forms" / "records" / "forms.jsonl.gz"
 OUT = ROOT / "_static" / "experiments" / "forms"
 REGISTRATION = ROOT / "forms_registration.json"
-#: Largest records file read (compressed and uncompressed), and deepest JSON line.
-MAX_BYTES = 64 << 20
 METRICS = ("passkey", "perplexity")
 
 
 def read_records(path: Path) -> list[dict]:
-    """The records of ``path`` (gzip JSON lines), each ``{"params", "result"}``; missing file: none."""
-    if not path.is_file():
-        return []
-    if path.stat().st_size > MAX_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_BYTES} bytes")
-    with gzip.open(path, "rb") as f:
-        data = f.read(MAX_BYTES + 1)
-    if len(data) > MAX_BYTES:
-        raise ValueError(f"{path}: more than {MAX_BYTES} bytes uncompressed")
-    records = []
-    for number, line in enumerate(data.decode("utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if not isinstance(record, dict) or not isinstance(record.get("params"), dict) \
-                or not isinstance(record.get("result"), dict):
-            raise ValueError(f"{path}:{number}: a record must be an object with 'params' and 'result'")
-        records.append(record)
-    return records
+    """The records of ``path`` (gzip JSON lines, read within refkv's caps by
+    :func:`refkv.experiments.phase2_analysis.read_gzip_records`); a missing file: none."""
+    return read_gzip_records(path) if Path(path).is_file() else []
 
 
 def _unit(params: dict) -> tuple:
@@ -162,22 +143,28 @@ def registered_label(name: str) -> str:
 
 
 def main(argv: list[str]) -> int:
+    """Write (through the guarded output folder) the three tables; a bad input is one line, exit 2."""
     records_path = Path(argv[0]) if argv else RECORDS
     out = Path(argv[1]) if len(argv) > 1 else OUT
-    registration = json.loads(REGISTRATION.read_text())
-    registered = {c["id"]: (registered_label(c["A"]), registered_label(c["B"])) for c in registration["comparisons"]}
-    ours = {cid: (label(*a), label(*b)) for cid, (a, b) in COMPARISONS.items()}
-    if registered != ours:  # the grid's comparisons are the registered ones, or nothing is computed
-        raise SystemExit(f"forms_verdicts: refkv.experiments.forms.COMPARISONS {ours} differ from the "
-                         f"registration's {registered}")
-    units = unit_rows(read_records(records_path))
-    rows, kinds = verdict_rows(units, float(registration["alpha"]))
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "units.csv", _csv(units, ["comparison", "metric", "document", "window", "kind", "a", "b",
-                                                  "full"]))
-    atomic_write(out / "verdicts.csv", _csv(rows, VERDICT_COLUMNS))
-    atomic_write(out / "per_kind.csv", _csv(kinds, ["comparison", "metric", "kind", "n", "estimate", "low", "high",
-                                                     "p"]))
+    try:
+        folder = OutputFolder(out, what="OUT", inputs=[records_path])
+        registration = load_json(REGISTRATION, 1 << 20, what="registration file")
+        registered = {c["id"]: (registered_label(c["A"]), registered_label(c["B"]))
+                      for c in registration["comparisons"]}
+        ours = {cid: (label(*a), label(*b)) for cid, (a, b) in COMPARISONS.items()}
+        if registered != ours:  # the grid's comparisons are the registered ones, or nothing is computed
+            raise ValueError(f"refkv.experiments.forms.COMPARISONS {ours} differ from the registration's "
+                             f"{registered}")
+        units = unit_rows(read_records(records_path))
+        rows, kinds = verdict_rows(units, float(registration["alpha"]))
+    except (ValueError, KeyError, TypeError) as err:
+        print(f"forms_verdicts: error: {err}", file=sys.stderr)
+        return 2
+    folder.publish({
+        "units.csv": _csv(units, ["comparison", "metric", "document", "window", "kind", "a", "b", "full"]),
+        "verdicts.csv": _csv(rows, VERDICT_COLUMNS),
+        "per_kind.csv": _csv(kinds, ["comparison", "metric", "kind", "n", "estimate", "low", "high", "p"]),
+    })
     for r in rows:
         print(r["comparison"], r["metric"], r["n"], r.get("label"), f"{r.get('estimate', float('nan')):+.3f}")
     return 0

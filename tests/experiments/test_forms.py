@@ -68,7 +68,8 @@ def test_a_cell_runs_in_its_regime_on_the_tiny_model(regime, task, policy, heads
 
 
 def _record(params: dict, result: dict) -> str:
-    return json.dumps({"params": params, "result": result})
+    """A record as the runner writes it: its key, parameters and result."""
+    return json.dumps({"key": json.dumps(params, sort_keys=True), "params": params, "result": result})
 
 
 def test_the_script_recomputes_hand_computed_verdicts(tmp_path):
