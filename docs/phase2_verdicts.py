@@ -19,7 +19,9 @@ record per cell as ``refkv experiment`` writes it; each record names its experim
 * ``bootstrap.csv``: the perplexity claims' two-stage bootstrap beside the t interval, with
   its spread over 20 seeds;
 * ``seeds.csv``: HashEvict's per-seed values per document; ``distinctiveness.csv``: the
-  needle's distinctiveness per test prompt against each policy's answer.
+  needle's distinctiveness per test prompt against each policy's answer;
+* ``verdicts.inc``: the verdicts in words for the results page, written from ``verdicts.csv``'s
+  own text (so the page says what the table says).
 
 Every rule lives in :mod:`refkv.experiments.phase2_analysis`; this script reads and writes::
 
@@ -44,6 +46,7 @@ from refkv.experiments.phase2_analysis import (
     VERDICT_COLUMNS,
     analyse,
     read_gzip_records,
+    verdict_words,
 )
 from refkv.experiments.registered import read_registration
 from refkv.experiments.tables import csv_text
@@ -88,7 +91,7 @@ def read_power(path: Path) -> dict[tuple, dict]:
 
 def table_files(records: Path, power: Path, *, resamples: int = BOOTSTRAP_RESAMPLES,
                 seeds: int = BOOTSTRAP_SEEDS, bootstrap: bool = True) -> dict[str, str]:
-    """Every CSV this script writes (name -> text), computed before any is written (``bootstrap``
+    """Every file this script writes (name -> text), computed before any is written (``bootstrap``
     False: the bootstrap display is left as "not run", for a quick check of the other tables)."""
     out = analyse(read_registration(REGISTRATION), read_records_folder(records), read_power(power),
                   n_boot=resamples, seeds=seeds, bootstrap=bootstrap)
@@ -96,7 +99,9 @@ def table_files(records: Path, power: Path, *, resamples: int = BOOTSTRAP_RESAMP
     calibration_columns = ["budget", "claim", "a", "b", "mean_accuracy", "verdict", "discordance", "power_at_n"]
     distinct_columns = ["document", "window", "kind", "distinctiveness", "full",
                         *sorted({k for r in out["distinctiveness"] for k in r if "@" in k})]
-    return {"verdicts.csv": csv_text(out["verdicts"], VERDICT_COLUMNS),
+    verdicts = csv_text(out["verdicts"], VERDICT_COLUMNS)
+    words = verdict_words(read_registration(REGISTRATION), list(csv.DictReader(io.StringIO(verdicts))))
+    return {"verdicts.csv": verdicts, "verdicts.inc": words,
             "units.csv": csv_text(out["units"], UNIT_COLUMNS),
             "strata.csv": csv_text(out["strata"], STRATA_COLUMNS),
             "calibration.csv": csv_text(out["calibration"], calibration_columns),

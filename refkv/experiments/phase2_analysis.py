@@ -555,3 +555,52 @@ def _calibration_rows(calibration: dict, power: dict, design: dict) -> list[dict
         rows.append({"budget": "chosen", "claim": "", "a": calibration["budget"] or "none", "b": ""})
     return rows
 
+
+
+def _signed(x) -> str:
+    """A number to 3 significant digits with its sign (``+0.25``, ``-0.0123``; zero is ``0``)."""
+    x = float(x)
+    return "0" if x == 0 else f"{x:+.3g}"
+
+
+def _comparison_words(row: dict) -> str:
+    """``keydiff - snapkv +0.12 [+0.05, +0.19], n = 147 prompts, Holm p 0.003`` (no estimate: the
+    comparison's name and n only)."""
+    name = row["a"] if not row.get("b") else f"{row['a']} - {row['b']}"
+    if row.get("estimate") in (None, ""):
+        n = f", n = {row['n']} {row.get('unit', '')}".rstrip() if row.get("n") not in (None, "") else ""
+        return f"{name}{n}"
+    p = row.get("p_holm") if row.get("p_holm") not in (None, "") else row.get("p")
+    text = (f"{name} {_signed(row['estimate'])} [{_signed(row['low'])}, {_signed(row['high'])}], "
+            f"n = {row['n']} {row['unit']}")
+    if p not in (None, ""):
+        text += f", {'Holm ' if row.get('p_holm') not in (None, '') else ''}p {float(p):.2g}"
+    if row.get("versus_paper"):
+        text += f", {row['versus_paper']}"
+    if row.get("verdict") == "not resolved" and row.get("power") not in (None, ""):
+        text += f", registered power {float(row['power']):.2f}"
+    if row.get("p_interaction_kind") not in (None, ""):
+        text += f", kind x policy p {float(row['p_interaction_kind']):.2g}"
+    return text
+
+
+def verdict_words(design: dict, rows: list[dict]) -> str:
+    """Phase two's verdicts in words, one reStructuredText bullet per claim, from the rows of
+    :func:`analyse` (``verdicts``) or of ``verdicts.csv`` (strings); the results page includes it.
+
+    Within a claim, comparisons are grouped by verdict in the order they first appear, each
+    with its estimate, 95% interval, n, (Holm) p, paper label, registered power beside "not
+    resolved" and the kind x policy interaction p. Only what ``rows`` says is written.
+    """
+    lines = []
+    for claim in design["claims"]:
+        mine = [r for r in rows if r["claim"] == claim["id"]]
+        if not mine:
+            continue
+        groups: dict[str, list[str]] = {}
+        for r in mine:
+            groups.setdefault(r["verdict"], []).append(_comparison_words(r))
+        said = "; ".join(f"**{verdict}** ({'; '.join(parts)})" for verdict, parts in groups.items())
+        setting = mine[0].get("setting") or claim.get("setting", "")
+        lines.append(f"* **{claim['claim']}** ({claim['id']}; {setting}): {said}.")
+    return "\n".join(lines) + "\n"

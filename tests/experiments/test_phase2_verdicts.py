@@ -108,6 +108,13 @@ def test_passkey_claim_against_hand_computed_values(tmp_path):
     assert float(snap["p_interaction_document"]) == 1.0 and float(snap["p_interaction_kind"]) == 1.0
     units = [r for r in _rows(out, "units.csv") if (r["claim"], r["b"]) == ("P1", "snapkv")]
     assert len(units) == 147 and {r["kind"] for r in units} == {document_kind(d) for d in document_names()}
+    # the results page's words say what the table says
+    words = (out / "verdicts.inc").read_text(encoding="utf-8")
+    p1 = next(line for line in words.splitlines() if "(P1; N = 256, B = 16)" in line)
+    assert "**holds** (keydiff - snapkv +0.857 [" in p1 and "n = 147 prompts, Holm p 2.4e-38" in p1
+    p2 = next(line for line in words.splitlines() if "(P2; " in line)
+    assert "**reversed** (snapkv@oneshot - snapkv@blocks -0.143 [" in p2
+    assert "**not resolved** (tova@oneshot - tova@blocks 0 [" in p2 and "registered power 0.82" in p2
 
 
 def test_floor_rule(tmp_path):
