@@ -20,6 +20,7 @@ record per cell as ``refkv experiment`` writes it; each record names its experim
   its spread over 20 seeds;
 * ``seeds.csv``: HashEvict's per-seed values per document; ``distinctiveness.csv``: the
   needle's distinctiveness per test prompt against each policy's answer;
+* ``cost.csv``: what each part of each grid cost, from the records' own cell times;
 * ``verdicts.inc``: the verdicts in words for the results page, written from ``verdicts.csv``'s
   own text (so the page says what the table says).
 
@@ -41,10 +42,12 @@ from refkv.experiments.phase2_analysis import (
     BOOTSTRAP_COLUMNS,
     BOOTSTRAP_RESAMPLES,
     BOOTSTRAP_SEEDS,
+    COST_COLUMNS,
     STRATA_COLUMNS,
     UNIT_COLUMNS,
     VERDICT_COLUMNS,
     analyse,
+    cost_rows,
     read_gzip_records,
     verdict_words,
 )
@@ -93,7 +96,8 @@ def table_files(records: Path, power: Path, *, resamples: int = BOOTSTRAP_RESAMP
                 seeds: int = BOOTSTRAP_SEEDS, bootstrap: bool = True) -> dict[str, str]:
     """Every file this script writes (name -> text), computed before any is written (``bootstrap``
     False: the bootstrap display is left as "not run", for a quick check of the other tables)."""
-    out = analyse(read_registration(REGISTRATION), read_records_folder(records), read_power(power),
+    by_experiment = read_records_folder(records)
+    out = analyse(read_registration(REGISTRATION), by_experiment, read_power(power),
                   n_boot=resamples, seeds=seeds, bootstrap=bootstrap)
     seed_columns = ["claim", "document", "kind", "hashevict:seed=0", "hashevict:seed=1", "hashevict:seed=2", "mean"]
     calibration_columns = ["budget", "claim", "a", "b", "mean_accuracy", "verdict", "discordance", "power_at_n"]
@@ -107,7 +111,8 @@ def table_files(records: Path, power: Path, *, resamples: int = BOOTSTRAP_RESAMP
             "calibration.csv": csv_text(out["calibration"], calibration_columns),
             "bootstrap.csv": csv_text(out["bootstrap"], BOOTSTRAP_COLUMNS),
             "seeds.csv": csv_text(out["seeds"], seed_columns),
-            "distinctiveness.csv": csv_text(out["distinctiveness"], distinct_columns)}
+            "distinctiveness.csv": csv_text(out["distinctiveness"], distinct_columns),
+            "cost.csv": csv_text(cost_rows(by_experiment), COST_COLUMNS)}
 
 
 def main(argv: list[str]) -> int:

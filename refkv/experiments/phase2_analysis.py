@@ -604,3 +604,37 @@ def verdict_words(design: dict, rows: list[dict]) -> str:
         setting = mine[0].get("setting") or claim.get("setting", "")
         lines.append(f"* **{claim['claim']}** ({claim['id']}; {setting}): {said}.")
     return "\n".join(lines) + "\n"
+
+
+COST_COLUMNS = ["experiment", "part", "cells", "cell_core_minutes", "cpu_minutes", "first_finished_utc",
+                "last_finished_utc"]
+
+
+def _cost_part(record: dict) -> str:
+    """The part of a grid a record's cell belongs to, for the cost table: the passkey purpose
+    (calibration or test), token-by-token prefill (``B = 1``), the geometry kind, or blocks."""
+    params = record["params"]
+    if "purpose" in params:
+        return str(params["purpose"])
+    if "kind" in params:
+        return str(params["kind"])
+    return "token by token" if params.get("block") == 1 else "blocks"
+
+
+def cost_rows(records: dict[str, list[dict]]) -> list[dict]:
+    """What each part of each grid cost, from its records' own times: cells, the sum of the cells'
+    wall seconds in core-minutes (each cell runs on one core), their CPU minutes (the process's
+    own: below the wall time where a cell waited for a shared core), and the first and last cell's finish time (UTC)."""
+    rows = []
+    for experiment in sorted(records):
+        parts: dict[str, list[dict]] = {}
+        for r in records[experiment]:
+            parts.setdefault(_cost_part(r), []).append(r)
+        for part in sorted(parts):
+            mine = parts[part]
+            finished = sorted(r["finished_utc"] for r in mine)
+            rows.append({"experiment": experiment, "part": part, "cells": len(mine),
+                         "cell_core_minutes": round(sum(r["wall_time_s"] for r in mine) / 60, 1),
+                         "cpu_minutes": round(sum(r["cpu_time_s"] for r in mine) / 60, 1),
+                         "first_finished_utc": finished[0], "last_finished_utc": finished[-1]})
+    return rows or [{"experiment": "not run"}]

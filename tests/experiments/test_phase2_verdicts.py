@@ -108,6 +108,10 @@ def test_passkey_claim_against_hand_computed_values(tmp_path):
     assert float(snap["p_interaction_document"]) == 1.0 and float(snap["p_interaction_kind"]) == 1.0
     units = [r for r in _rows(out, "units.csv") if (r["claim"], r["b"]) == ("P1", "snapkv")]
     assert len(units) == 147 and {r["kind"] for r in units} == {document_kind(d) for d in document_names()}
+    # the cost table adds the records' own times (1 s per synthetic cell)
+    cost = {r["part"]: r for r in _rows(out, "cost.csv")}
+    assert cost["test"]["cells"] == "1176" and float(cost["test"]["cell_core_minutes"]) == 19.6
+    assert cost["calibration"]["cells"] == "630" and float(cost["calibration"]["cpu_minutes"]) == 10.5
     # the results page's words say what the table says
     words = (out / "verdicts.inc").read_text(encoding="utf-8")
     p1 = next(line for line in words.splitlines() if "(P1; N = 256, B = 16)" in line)
