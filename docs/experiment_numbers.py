@@ -25,8 +25,10 @@ import csv
 import math
 import re
 import sys
+import textwrap
 from pathlib import Path
 
+from refkv.experiments.phase2_analysis import read_gzip_records
 from refkv.experiments.records import read_records
 from refkv.experiments.stats import paired_t_test
 from refkv.files import OutputFolder
@@ -37,6 +39,8 @@ POINTS = HERE / "_static" / "choosing" / "quality_vs_budget.csv"
 PPL = HERE / "_static" / "experiments" / "perplexity" / "ppl.csv"
 #: The registered run's published tables (``docs/registered_verdicts.py`` writes them).
 REGISTERED = HERE / "_static" / "experiments" / "registered"
+#: Phase two's published tables (``docs/phase2_verdicts.py`` writes them from its records).
+PHASE2 = HERE / "_static" / "experiments" / "phase2"
 #: The attention-based policies the budget advice speaks of.
 ATTENTION = ("h2o", "snapkv", "tova")
 #: A generated block: the opening comment, the text, the closing comment.
@@ -90,6 +94,50 @@ def registered_values(folder: Path = REGISTERED) -> dict[str, str]:
         "reg_h2o_snapkv": f"{h2o_snapkv.estimate:+.2f} [{h2o_snapkv.low:+.2f}, {h2o_snapkv.high:+.2f}]",
         "reg_keydiff_oneshot": f"{sum(bool(r['result']['correct']) for r in oneshot)}/{len(oneshot)}",
     }
+
+
+def phase2_values(folder: Path = PHASE2) -> dict[str, str]:
+    """Phase two's passkey test as the README quotes it (``p2_passkey``), from its published
+    units and verdicts and the full cache's test records: answers out of the test prompts per
+    policy and prefill, and each registered comparison's verdict; before the test phase's
+    records are committed, a sentence saying so."""
+    units = [r for r in _read(folder / "units.csv") if r["claim"] in ("P1", "P2")]
+    verdicts = {(r["claim"], r["a"], r["b"]): r for r in _read(folder / "verdicts.csv")}
+    if not units:
+        return {"p2_passkey": "Phase two, registered to decide this on 21 documents of 6 kinds, has not run its "
+                              "passkey test yet."}
+
+    def answered(claim, a, b, side):
+        rows = [r for r in units if (r["claim"], r["a"], r["b"]) == (claim, a, b)]
+        return f"{sum(r[side] == 'True' for r in rows)}/{len(rows)}"
+
+    def verdict(claim, a, b):
+        return verdicts[(claim, a, b)]["verdict"]
+
+    test = [r for path in sorted((folder / "records").glob("*.jsonl.gz")) for r in read_gzip_records(path)
+            if r["experiment"] == "passkey2" and r["params"].get("purpose") == "test"
+            and r["params"]["policy"] == "full"]
+    budget = int(next(r for r in _read(folder / "calibration.csv") if r["budget"] == "chosen")["a"])
+    prompts = {r["unit"] for r in units}
+    documents = {u.split("/")[0] for u in prompts}
+    kinds = {r["kind"] for r in units}
+    policies = [("KeyDiff", "keydiff", None), ("SnapKV", "snapkv", "snapkv"), ("TOVA", "tova", "tova"),
+                ("H2O", "h2o", "h2o")]
+    said = []
+    for name, p1_side, p2 in policies:
+        blocks = (answered("P1", "keydiff", "snapkv", "value_a") if p1_side == "keydiff"
+                  else answered("P1", "keydiff", p1_side, "value_b"))
+        oneshot = f" ({answered('P2', f'{p2}@oneshot', f'{p2}@blocks', 'value_a')} in one shot)" if p2 else ""
+        said.append(f"{name} {blocks}{oneshot}")
+    display = {"snapkv": "SnapKV", "tova": "TOVA", "h2o": "H2O"}
+    p1 = ", ".join(f"{display[b]} {verdict('P1', 'keydiff', b)}" for b in display)
+    p2 = ", ".join(f"{display[b]} {verdict('P2', f'{b}@oneshot', f'{b}@blocks')}" for b in display)
+    return {"p2_passkey": textwrap.fill(
+        f"In phase two, registered to decide this ({len(prompts)} prompts from {len(documents)} documents of "
+        f"{len(kinds)} kinds, ``N = {budget}`` of 1,024 tokens, blocks of {budget // 16}; without eviction "
+        f"{sum(bool(r['result']['correct']) for r in test)}/{len(test)}), KeyDiff in blocks answered "
+        f"{said[0].split(' ', 1)[1]}, {', '.join(said[1:-1])} and {said[-1]}. KeyDiff better than each in "
+        f"blocks (P1): {p1}; one-shot better than blocks (P2): {p2}.", width=98, subsequent_indent="  ")}
 
 
 def values(points_csv: Path = POINTS, ppl_csv: Path = PPL) -> dict[str, str]:
@@ -154,7 +202,7 @@ def values(points_csv: Path = POINTS, ppl_csv: Path = PPL) -> dict[str, str]:
         "keydiff_128": f1(gap("keydiff", 128)), "keydiff_reserve_128": f1(reserve),
         "sink_256": f2(gap("sink", 256)), "mat_256": f2(gap("mat", 256)), "knorm_256": f1(gap("knorm", 256)),
         "budget_low": str(budgets[0]), "budget_high": str(budgets[-1]),
-        **registered_values(),
+        **registered_values(), **phase2_values(),
     }
 
 
@@ -172,6 +220,7 @@ TEMPLATES = {
   {reg_keydiff_blocks} with blocks of 128, SnapKV {reg_snapkv_blocks} ({reg_snapkv_oneshot} in one shot),
   TOVA {reg_tova_blocks} and H2O {reg_h2o_blocks}. (An exploratory test whose repeated filler makes the needle the most
   distinctive key had KeyDiff answer {keydiff_range}.)
+  {p2_passkey}
 * **a kernel that never forms the attention weights** (FlashAttention-style): KeyDiff,
   HashEvict, MAT, L2 norm, ExpectedAttention or sink need none; TOVA and SnapKV read only
   the last 1 or ``w`` rows, which a backend recomputes beside the fused kernel; only H2O and

@@ -10,6 +10,7 @@ import importlib.util
 import io
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -119,6 +120,15 @@ def test_passkey_claim_against_hand_computed_values(tmp_path):
     p2 = next(line for line in words.splitlines() if "(P2; " in line)
     assert "**reversed** (snapkv@oneshot - snapkv@blocks -0.143 [" in p2
     assert "**not resolved** (tova@oneshot - tova@blocks 0 [" in p2 and "registered power 0.82" in p2
+    # the README's sentence (docs/experiment_numbers.py) counts the same answers
+    shutil.copytree(records, out / "records")
+    spec = importlib.util.spec_from_file_location("experiment_numbers", ROOT / "docs" / "experiment_numbers.py")
+    numbers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(numbers)
+    sentence = " ".join(numbers.phase2_values(out)["p2_passkey"].split())
+    assert ("(147 prompts from 21 documents of 6 kinds, ``N = 256`` of 1,024 tokens, blocks of 16; without "
+            "eviction 147/147), KeyDiff in blocks answered 147/147, SnapKV 21/147 (0/147 in one shot)") in sentence
+    assert "(P1): SnapKV holds, TOVA holds, H2O holds; one-shot better than blocks (P2): SnapKV reversed" in sentence
 
 
 def test_floor_rule(tmp_path):
