@@ -276,6 +276,7 @@ eviction ({quarter_range}); retrieving one fact needed more).
   model. In an earlier exploratory test ({prompts} prompts, a repeated filler, so that the
   needle was the most distinctive key by construction) KeyDiff answered {keydiff_blocks}
   with blocks of 128 and {keydiff_oneshot} in one shot, against {full_passkey} without eviction.
+  {p2_passkey}
   KeyDiff raised perplexity far more than the attention-based policies ({reg_l1_range} more than
   SnapKV, TOVA and H2O on {reg_texts} texts in the registered run; {keydiff_128} at :math:`N = 128` in the
   exploratory one, {keydiff_reserve_128} with a recent reserve of half the budget): it keeps *diverse*
