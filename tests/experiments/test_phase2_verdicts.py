@@ -128,7 +128,8 @@ def test_passkey_claim_against_hand_computed_values(tmp_path):
     sentence = " ".join(numbers.phase2_values(out)["p2_passkey"].split())
     assert ("(147 prompts from 21 documents of 6 kinds, ``N = 256`` of 1,024 tokens, blocks of 16; without "
             "eviction 147/147), KeyDiff in blocks answered 147/147, SnapKV 21/147 (0/147 in one shot)") in sentence
-    assert "(P1): SnapKV holds, TOVA holds, H2O holds; one-shot better than blocks (P2): SnapKV reversed" in sentence
+    assert ("(P1): SnapKV holds, TOVA holds, H2O holds (the kind x policy interaction p: 1, 1, 1); one-shot "
+            "better than blocks (P2): SnapKV reversed") in sentence
 
 
 def test_floor_rule(tmp_path):
