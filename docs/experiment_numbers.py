@@ -225,7 +225,8 @@ TEMPLATES = {
   by {h2o_128} at ``N = 128``);
 * **finding one fact far back in a long prompt**: measure first; on this 135M model every
   policy answered fewer than the full cache. In the registered run (60 prompts of
-  {reg_length} tokens, a needle at a random depth in varied text, ``N = {reg_budget}``; without eviction {reg_full}) KeyDiff answered
+  {reg_length} tokens, a needle at a random depth in varied text, ``N = {reg_budget}``; without
+  eviction {reg_full}) KeyDiff answered
   {reg_keydiff_blocks} with blocks of 128, SnapKV {reg_snapkv_blocks} ({reg_snapkv_oneshot} in one shot),
   TOVA {reg_tova_blocks} and H2O {reg_h2o_blocks}. (An exploratory test whose repeated filler makes the needle the most
   distinctive key had KeyDiff answer {keydiff_range}.)
