@@ -21,6 +21,9 @@ record per cell as ``refkv experiment`` writes it; each record names its experim
 * ``seeds.csv``: HashEvict's per-seed values per document; ``distinctiveness.csv``: the
   needle's distinctiveness per test prompt against each policy's answer;
 * ``cost.csv``: what each part of each grid cost, from the records' own cell times;
+* ``verdicts.svg``: each comparison with records, its estimate and 95% interval, and beside it
+  its estimate within each kind of text (the kind x policy interaction made visible); drawn
+  from ``verdicts.csv`` and ``strata.csv`` alone (needs matplotlib: the ``plot`` extra);
 * ``verdicts.inc``: the verdicts in words for the results page, written from ``verdicts.csv``'s
   own text (so the page says what the table says).
 
@@ -93,9 +96,10 @@ def read_power(path: Path) -> dict[tuple, dict]:
 
 
 def table_files(records: Path, power: Path, *, resamples: int = BOOTSTRAP_RESAMPLES,
-                seeds: int = BOOTSTRAP_SEEDS, bootstrap: bool = True) -> dict[str, str]:
+                seeds: int = BOOTSTRAP_SEEDS, bootstrap: bool = True, figure: bool = True) -> dict[str, str | bytes]:
     """Every file this script writes (name -> text), computed before any is written (``bootstrap``
-    False: the bootstrap display is left as "not run", for a quick check of the other tables)."""
+    False: the bootstrap display is left as "not run", for a quick check of the other tables; ``figure``
+    False: no ``verdicts.svg``, whose bytes depend on the matplotlib version)."""
     by_experiment = read_records_folder(records)
     out = analyse(read_registration(REGISTRATION), by_experiment, read_power(power),
                   n_boot=resamples, seeds=seeds, bootstrap=bootstrap)
@@ -104,15 +108,79 @@ def table_files(records: Path, power: Path, *, resamples: int = BOOTSTRAP_RESAMP
     distinct_columns = ["document", "window", "kind", "distinctiveness", "full",
                         *sorted({k for r in out["distinctiveness"] for k in r if "@" in k})]
     verdicts = csv_text(out["verdicts"], VERDICT_COLUMNS)
-    words = verdict_words(read_registration(REGISTRATION), list(csv.DictReader(io.StringIO(verdicts))))
-    return {"verdicts.csv": verdicts, "verdicts.inc": words,
+    strata = csv_text(out["strata"], STRATA_COLUMNS)
+    verdict_rows = list(csv.DictReader(io.StringIO(verdicts)))
+    words = verdict_words(read_registration(REGISTRATION), verdict_rows)
+    files = {"verdicts.csv": verdicts, "verdicts.inc": words,
             "units.csv": csv_text(out["units"], UNIT_COLUMNS),
-            "strata.csv": csv_text(out["strata"], STRATA_COLUMNS),
+            "strata.csv": strata,
             "calibration.csv": csv_text(out["calibration"], calibration_columns),
             "bootstrap.csv": csv_text(out["bootstrap"], BOOTSTRAP_COLUMNS),
             "seeds.csv": csv_text(out["seeds"], seed_columns),
             "distinctiveness.csv": csv_text(out["distinctiveness"], distinct_columns),
             "cost.csv": csv_text(cost_rows(by_experiment), COST_COLUMNS)}
+    svg = verdicts_svg(verdict_rows, list(csv.DictReader(io.StringIO(strata)))) if figure else None
+    if svg is not None:
+        files["verdicts.svg"] = svg
+    return files
+
+
+VERDICT_COLORS = {"holds": "tab:green", "reversed": "tab:red", "not resolved": "0.4",
+                  "secondary (no verdict)": "tab:blue"}
+KIND_MARKERS = "s^vD<>ph"
+
+
+def verdicts_svg(verdicts: list[dict], strata: list[dict]) -> bytes | None:
+    """The figure of the results page: one panel per claim with records, each comparison's
+    estimate and 95% interval coloured by its verdict, and its estimate within each kind of
+    text as small open markers on the same row. Rows are CSV rows (strings). None when no
+    comparison has an estimate yet."""
+    rows = [r for r in verdicts if r.get("estimate") not in (None, "")]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams["svg.hashsalt"] = "refkv"   # reproducible element ids
+    plt.rcParams["svg.fonttype"] = "none"    # text stays text (searchable, and testable)
+    claims = list(dict.fromkeys(r["claim"] for r in rows))
+    kinds = sorted({s["stratum"] for s in strata if s["stratum_type"] == "kind"})
+    marker = {k: KIND_MARKERS[i % len(KIND_MARKERS)] for i, k in enumerate(kinds)}
+    heights = [len([r for r in rows if r["claim"] == c]) + 1.2 for c in claims]
+    fig, axes = plt.subplots(len(claims), 1, figsize=(9, 0.45 * sum(heights) + 1.2),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for ax, claim in zip(axes[:, 0], claims):
+        these = [r for r in rows if r["claim"] == claim]
+        for i, r in enumerate(these):
+            x, lo, hi = float(r["estimate"]), float(r["low"]), float(r["high"])
+            ax.errorbar(x, i, xerr=[[x - lo], [hi - x]], fmt="o", capsize=3, markersize=6,
+                        color=VERDICT_COLORS.get(r["verdict"], "black"), zorder=3)
+            for s in strata:
+                if (s["claim"], s["a"], s["b"], s["stratum_type"]) == (claim, r["a"], r["b"], "kind"):
+                    ax.plot(float(s["estimate"]), i + 0.25, marker[s["stratum"]], markersize=4,
+                            markerfacecolor="none", color="0.35", label=s["stratum"])
+        ax.axvline(0.0, color="0.3", lw=0.8)
+        ax.set_yticks(range(len(these)), [r["a"] if not r["b"] else f"{r['a']} - {r['b']}" for r in these],
+                      fontsize=8)
+        ax.set_ylim(len(these) - 0.4, -0.6)
+        ax.set_title(f"{claim} ({these[0]['n']} {these[0]['unit']}; {these[0]['setting']})", fontsize=8.5,
+                     loc="left")
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(True, axis="x", alpha=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    if unique:
+        fig.legend(unique.values(), list(unique), loc="lower center", ncol=min(len(unique), 6), fontsize=7.5,
+                   frameon=False, title="open markers: the estimate within each kind of text", title_fontsize=7.5)
+    fig.suptitle("Phase two: estimate and 95% interval per comparison\n(green holds, red reversed, grey not "
+                 "resolved, blue secondary)", fontsize=8.5)
+    fig.tight_layout(rect=(0, 0.08 if unique else 0, 1, 1))
+    data = io.BytesIO()
+    fig.savefig(data, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return data.getvalue()
 
 
 def main(argv: list[str]) -> int:
