@@ -101,8 +101,33 @@ def phase2_values(folder: Path = PHASE2) -> dict[str, str]:
     units and verdicts and the full cache's test records: answers out of the test prompts per
     policy and prefill, and each registered comparison's verdict; before the test phase's
     records are committed, a sentence saying so."""
-    units = [r for r in _read(folder / "units.csv") if r["claim"] in ("P1", "P2")]
     verdicts = {(r["claim"], r["a"], r["b"]): r for r in _read(folder / "verdicts.csv")}
+    return {**_phase2_passkey(folder, verdicts), **_phase2_text(verdicts)}
+
+
+def _phase2_text(verdicts: dict) -> dict[str, str]:
+    """``p2_text``: phase two's L1 and C1 in one sentence, from its verdicts (or that they have not
+    run), without a full stop: the page's list goes on after it."""
+    l1 = [verdicts[("L1", "keydiff", b)] for b in ("snapkv", "tova", "h2o")]
+    c1 = [verdicts[("C1", f"caote:base={b}", b)] for b in ("h2o", "tova", "snapkv")]
+    if any(r["estimate"] == "" for r in l1 + c1):
+        return {"p2_text": "Phase two, on 21 documents of 6 kinds, has not run its perplexity grid yet"}
+    gaps = [float(r["estimate"]) for r in l1]
+
+    def lowered(r):
+        return f"{-float(r['estimate']):.2f} [{-float(r['high']):.2f}, {-float(r['low']):.2f}] ({r['verdict']})"
+    return {"p2_text": textwrap.fill(
+        f"In phase two ({l1[0]['n']} documents of 6 kinds, two windows each, ``N = 128``) KeyDiff raised "
+        f"perplexity {min(gaps):.1f}-{max(gaps):.1f} more than SnapKV, TOVA and H2O (L1 {l1[0]['verdict']} on "
+        f"perplexity, a metric the paper does not report), and CAOTE lowered H2O's by {lowered(c1[0])}, TOVA's by "
+        f"{lowered(c1[1])} and SnapKV's by {lowered(c1[2])}, each {c1[0]['versus_paper']}"
+        f"{'' if len({r['versus_paper'] for r in c1}) == 1 else ' (see the table)'}",
+        width=98, subsequent_indent="  ")}
+
+
+def _phase2_passkey(folder: Path, verdicts: dict) -> dict[str, str]:
+    """``p2_passkey`` and ``p2_blocks``: phase two's passkey test (or that it has not run)."""
+    units = [r for r in _read(folder / "units.csv") if r["claim"] in ("P1", "P2")]
     if not units:
         return {"p2_passkey": "Phase two, registered to decide this on 21 documents of 6 kinds, has not run its "
                               "passkey test yet.", "p2_blocks": "Phase two's passkey test has not run yet."}
@@ -222,7 +247,8 @@ TEMPLATES = {
   texts of 1,024 tokens, ``N = 128``) KeyDiff raised perplexity {reg_l1_range} more than SnapKV, TOVA
   and H2O, and H2O and SnapKV could not be told apart (H2O - SnapKV {reg_h2o_snapkv}); CAOTE
   lowered H2O's by {reg_caote_h2o}. (In an exploratory run on {texts} texts H2O raised it least,
-  by {h2o_128} at ``N = 128``);
+  by {h2o_128} at ``N = 128``.)
+  {p2_text};
 * **finding one fact far back in a long prompt**: measure first; on this 135M model every
   policy answered fewer than the full cache. In the registered run (60 prompts of
   {reg_length} tokens, a needle at a random depth in varied text, ``N = {reg_budget}``; without

@@ -73,3 +73,19 @@ def test_update_rewrites_only_the_blocks():
                    ".. experiment-numbers: end\n\nafter\n")
     with pytest.raises(ValueError, match="not generated here"):
         numbers.update(text.replace("choosing-kernel", "nowhere"), {"choosing-kernel": "x\n"})
+
+
+def test_phase_two_text_sentence_from_hand_made_verdicts():
+    """L1's range and C1's signs flipped to 'lowered by', from verdict rows made by hand; any
+    comparison without an estimate gives the not-run sentence."""
+    numbers = _module()
+    row = {"n": "21", "verdict": "holds", "versus_paper": "smaller than the paper"}
+    verdicts = {("L1", "keydiff", b): {**row, "estimate": e, "verdict": "reversed", "low": "0", "high": "0"}
+                for b, e in (("snapkv", "11.64"), ("tova", "11.26"), ("h2o", "12.05"))}
+    verdicts |= {("C1", f"caote:base={b}", b): {**row, "estimate": "-0.10", "low": "-0.15", "high": "-0.02"}
+                 for b in ("h2o", "tova", "snapkv")}
+    text = " ".join(numbers._phase2_text(verdicts)["p2_text"].split())
+    assert "KeyDiff raised perplexity 11.3-12.1 more than SnapKV, TOVA and H2O (L1 reversed" in text
+    assert "CAOTE lowered H2O's by 0.10 [0.02, 0.15] (holds)" in text and text.endswith("smaller than the paper")
+    verdicts[("C1", "caote:base=tova", "tova")]["estimate"] = ""
+    assert "has not run its perplexity grid" in numbers._phase2_text(verdicts)["p2_text"]
