@@ -564,9 +564,10 @@ def _signed(x) -> str:
 
 
 def _comparison_words(row: dict) -> str:
-    """``keydiff - snapkv +0.12 [+0.05, +0.19], n = 147 prompts, Holm p 0.003`` (no estimate: the
+    """``keydiff`` - ``snapkv`` +0.12 [+0.05, +0.19], n = 147 prompts, Holm p 0.003 (no estimate: the
     comparison's name and n only)."""
-    name = row["a"] if not row.get("b") else f"{row['a']} - {row['b']}"
+    # literals: a name such as snapkv@oneshot would otherwise become a mailto link
+    name = f"``{row['a']}``" if not row.get("b") else f"``{row['a']}`` - ``{row['b']}``"
     if row.get("estimate") in (None, ""):
         n = f", n = {row['n']} {row.get('unit', '')}".rstrip() if row.get("n") not in (None, "") else ""
         return f"{name}{n}"

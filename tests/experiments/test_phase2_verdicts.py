@@ -116,10 +116,10 @@ def test_passkey_claim_against_hand_computed_values(tmp_path):
     # the results page's words say what the table says
     words = (out / "verdicts.inc").read_text(encoding="utf-8")
     p1 = next(line for line in words.splitlines() if "(P1; N = 256, B = 16)" in line)
-    assert "**holds** (keydiff - snapkv +0.857 [" in p1 and "n = 147 prompts, Holm p 2.4e-38" in p1
+    assert "**holds** (``keydiff`` - ``snapkv`` +0.857 [" in p1 and "n = 147 prompts, Holm p 2.4e-38" in p1
     p2 = next(line for line in words.splitlines() if "(P2; " in line)
-    assert "**reversed** (snapkv@oneshot - snapkv@blocks -0.143 [" in p2
-    assert "**not resolved** (tova@oneshot - tova@blocks 0 [" in p2 and "registered power 0.82" in p2
+    assert "**reversed** (``snapkv@oneshot`` - ``snapkv@blocks`` -0.143 [" in p2
+    assert "**not resolved** (``tova@oneshot`` - ``tova@blocks`` 0 [" in p2 and "registered power 0.82" in p2
     # the figure draws every comparison with records (text stays text in the SVG)
     if importlib.util.find_spec("matplotlib") is not None:
         svg = (out / "verdicts.svg").read_text(encoding="utf-8")
