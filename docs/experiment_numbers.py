@@ -102,7 +102,7 @@ def phase2_values(folder: Path = PHASE2) -> dict[str, str]:
     policy and prefill, and each registered comparison's verdict; before the test phase's
     records are committed, a sentence saying so."""
     verdicts = {(r["claim"], r["a"], r["b"]): r for r in _read(folder / "verdicts.csv")}
-    return {**_phase2_passkey(folder, verdicts), **_phase2_text(verdicts)}
+    return {**_phase2_passkey(folder, verdicts), **_phase2_text(verdicts), **_phase2_token_by_token(verdicts)}
 
 
 def _phase2_text(verdicts: dict) -> dict[str, str]:
@@ -123,6 +123,28 @@ def _phase2_text(verdicts: dict) -> dict[str, str]:
         f"{lowered(c1[1])} and SnapKV's by {lowered(c1[2])}, each {c1[0]['versus_paper']}"
         f"{'' if len({r['versus_paper'] for r in c1}) == 1 else ' (see the table)'}",
         width=98, subsequent_indent="  ")}
+
+
+def _phase2_token_by_token(verdicts: dict) -> dict[str, str]:
+    """``p2_kernel``: phase two's claims on the policies that read no attention weights (M1: MAT
+    against sink; H1: HashEvict against L2 with the same protection, perplexity; A1: attention
+    lost per step), each comparison as ``A - B`` with its interval and verdict, or that its
+    grid has not run."""
+    def said(claim, a, b, what):
+        r = verdicts[(claim, a, b)]
+        if r["estimate"] == "":
+            return f"{what} has not run ({claim})"
+        versus = "" if r["versus_paper"] in ("", "not comparable") else f", {r['versus_paper']}"
+        return (f"{what} {float(r['estimate']):+.2g} [{float(r['low']):+.2g}, {float(r['high']):+.2g}] "
+                f"({claim} {r['verdict']}{versus})")
+    parts = [said("M1", "mat@selected", "sink", "MAT - sink in perplexity"),
+             said("H1", "hashevict", "knorm:recent=10,sink=4",
+                  "HashEvict (mean of 3 hash seeds) - L2 with HashEvict's protection in perplexity"),
+             said("A1", "hashevict", "knorm:recent=10,sink=4", "in attention lost per step HashEvict - that L2"),
+             said("A1", "h2o", "hashevict", "H2O - HashEvict")]
+    return {"p2_kernel": textwrap.fill(
+        "In phase two (21 documents of 6 kinds, token by token, ``N = 128``; ``N = 256`` for attention loss): "
+        + "; ".join(parts) + ".", width=98, subsequent_indent="  ")}
 
 
 def _phase2_passkey(folder: Path, verdicts: dict) -> dict[str, str]:
@@ -327,7 +349,8 @@ never forms them. How much that matters depends on how much of the matrix a poli
 * KeyDiff, HashEvict, MAT, L2 norm, ExpectedAttention and sink read no attention weights
   at all. Among those, sink ({sink_256} at :math:`N = 256`) and MAT ({mat_256}) kept perplexity
   lowest and L2 norm was last ({knorm_256}, and no passkey answered) in the exploratory run;
-  KeyDiff retrieved best there, but not in the registered run (above).
+  KeyDiff retrieved best there (the registered runs' passkey results are above).
+  {p2_kernel}
 * TOVA reads one row of the matrix (the last query's) and SnapKV :math:`w` rows (its
   window's queries). A backend keeps the fused kernel for the attention output and
   recomputes those rows beside it, at :math:`O(w\\,n)` extra work; kvpress's

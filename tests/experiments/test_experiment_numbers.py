@@ -89,3 +89,20 @@ def test_phase_two_text_sentence_from_hand_made_verdicts():
     assert "CAOTE lowered H2O's by 0.10 [0.02, 0.15] (holds)" in text and text.endswith("smaller than the paper")
     verdicts[("C1", "caote:base=tova", "tova")]["estimate"] = ""
     assert "has not run its perplexity grid" in numbers._phase2_text(verdicts)["p2_text"]
+
+
+def test_phase_two_token_by_token_sentence_from_hand_made_verdicts():
+    """Each of M1, H1 and A1 as ``A - B`` with two significant digits and its verdict; the paper
+    label only where the metric matches; a comparison without an estimate says it has not run."""
+    numbers = _module()
+    blank = {"estimate": "", "low": "", "high": "", "verdict": "not run", "versus_paper": ""}
+    verdicts = {("M1", "mat@selected", "sink"): {"estimate": "0.0664899", "low": "-0.017147", "high": "0.150127",
+                                                 "verdict": "not resolved", "versus_paper": "smaller than the paper"},
+                ("H1", "hashevict", "knorm:recent=10,sink=4"): {
+                    "estimate": "-0.51", "low": "-0.9", "high": "-0.12", "verdict": "holds",
+                    "versus_paper": "not comparable"},
+                ("A1", "hashevict", "knorm:recent=10,sink=4"): blank, ("A1", "h2o", "hashevict"): blank}
+    text = " ".join(numbers._phase2_token_by_token(verdicts)["p2_kernel"].split())
+    assert "MAT - sink in perplexity +0.066 [-0.017, +0.15] (M1 not resolved, smaller than the paper)" in text
+    assert "L2 with HashEvict's protection in perplexity -0.51 [-0.9, -0.12] (H1 holds);" in text
+    assert "HashEvict - that L2 has not run (A1); H2O - HashEvict has not run (A1)." in text
