@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import re
 import sys
 from pathlib import Path
 
@@ -130,6 +131,15 @@ VERDICT_COLORS = {"holds": "tab:green", "reversed": "tab:red", "not resolved": "
 KIND_MARKERS = "s^vD<>ph"
 
 
+def _short(setting: str, limit: int = 95) -> str:
+    """A claim's setting short enough for a panel title: its parenthetical remarks dropped when
+    it is longer than ``limit`` characters, then cut with an ellipsis if still too long (the
+    full setting is in ``verdicts.csv`` and the words above the figure)."""
+    while len(setting) > limit and re.search(r" \([^()]*\)", setting):   # innermost first
+        setting = re.sub(r" \([^()]*\)", "", setting)
+    return setting if len(setting) <= limit else setting[:limit - 1].rstrip() + "\u2026"
+
+
 def verdicts_svg(verdicts: list[dict], strata: list[dict]) -> bytes | None:
     """The figure of the results page: one panel per claim with records, each comparison's
     estimate and 95% interval coloured by its verdict, and its estimate within each kind of
@@ -165,8 +175,8 @@ def verdicts_svg(verdicts: list[dict], strata: list[dict]) -> bytes | None:
         ax.set_yticks(range(len(these)), [r["a"] if not r["b"] else f"{r['a']} - {r['b']}" for r in these],
                       fontsize=8)
         ax.set_ylim(len(these) - 0.4, -0.6)
-        ax.set_title(f"{claim} ({these[0]['n']} {these[0]['unit']}; {these[0]['setting']})", fontsize=8.5,
-                     loc="left")
+        ax.set_title(f"{claim} ({these[0]['n']} {these[0]['unit']}; {_short(these[0]['setting'])})",
+                     fontsize=8.5, loc="left")
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(True, axis="x", alpha=0.3)
     handles, labels = axes[0, 0].get_legend_handles_labels()

@@ -320,3 +320,12 @@ def test_every_claim_with_records_gets_a_verdict(tmp_path):
     assert by[("G1-all", "spearman_all", "")]["p_holm"] == ""
     assert len(_rows(out, "seeds.csv")) == 2 * 21
     assert len(_rows(out, "bootstrap.csv")) == 8
+
+
+def test_panel_titles_shorten_long_settings():
+    """A setting over the limit loses its parenthetical remarks, then is cut with an ellipsis;
+    a short one is kept whole."""
+    short = _script()._short
+    assert short("token by token (B = 1), N = 128") == "token by token (B = 1), N = 128"
+    assert short("N = 256 (the first 512 tokens; a mean (nested) over 2 prompts) of 512", limit=30) == "N = 256 of 512"
+    assert short("a" * 40, limit=10) == "a" * 9 + "\u2026"
