@@ -325,6 +325,7 @@ eviction ({quarter_range}); retrieving one fact needed more).
   {reference}) and {h2o_256} at :math:`N = 256` ({h2o_256_percent}), with SnapKV and TOVA close
   behind ({snapkv_tova_128} and {snapkv_tova_256}), and CAOTE made no difference those texts
   could resolve ({caote_128} and {caote_256}).
+  {p2_text}.
 * *Find one fact far back in a long prompt* (retrieval, the passkey test): **measure
   first**; no policy was safe at an eighth of the prompt. In the registered run (60 prompts
   of {reg_length} tokens, the needle at a random depth in varied text, :math:`N = {reg_budget}`; without
