@@ -32,6 +32,7 @@ __all__ = [
     "calibrated_length",
     "chosen_mat",
     "comparisons_from_units",
+    "g1_all_queries",
     "geometry_comparisons",
     "paper_effect",
     "passkey_comparisons",
@@ -479,6 +480,21 @@ def geometry_comparisons(records: list[dict]) -> list[Comparison]:
     out += [_paired("G2", "keydiff", volume.get("keydiff", {}), other, volume.get(other, {}))
             for other in REGISTERED_RETENTION_POLICIES if other != "keydiff"]
     return [c for c in out if c is not None]
+
+
+def g1_all_queries(records: list[dict]) -> Comparison | None:
+    """G1's all-queries statistic, the display the registration promised beside G1 (no verdict).
+
+    As G1 (:func:`geometry_comparisons`), but with the mean attention a key receives from every
+    query that sees it rather than from the common query set (the last 25% of queries against
+    the first 75% of keys), so position is not held apart from distinctiveness. The cell
+    stores the Spearman correlation of *distinctiveness* (minus the cosine to the mean unit
+    key) with that attention, per layer and KV head, as ``spearman_anchor``; the prompt's
+    value is minus its mean, so the sign reads as G1's. None without 2 prompts.
+    """
+    anchor = _prompt_values(records, "cosine",
+                            lambda result: -np.nanmean(np.asarray(result["spearman_anchor"], float)))
+    return _paired("G1-all", "spearman_all", anchor.get("", {}), None, None)
 
 
 # -- the per-unit table, and back ----------------------------------------------------------------

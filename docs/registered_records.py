@@ -1,0 +1,187 @@
+"""Phase one's regenerated records, checked against the values its verdicts were computed from.
+
+Phase one's perplexity, attention-loss and geometry records were not committed and were lost
+(deviation 8 of ``docs/guide/registration.rst``). A part rerun on the commit that first ran it
+(``51af84e``, the same machine) is committed as
+``_static/experiments/registered/records/NAME.jsonl.gz``. This script recomputes, from those
+records alone, every per-prompt value of that part's claims by the registered rule
+(:mod:`refkv.experiments.registered`) and compares each with ``units.csv``, the table the
+published verdicts were computed from (``tests/experiments/test_experiment_registered_prompts.py``
+recomputes them from it). It writes into ``_static/experiments/registered/``:
+
+* ``regenerated.csv``: one row per comparison of a regenerated part: the prompts in
+  ``units.csv`` and in the records, how many values were compared, how many agree bit for bit,
+  and the largest relative difference;
+* ``g1_all.csv``, once the geometry records are there: G1's all-queries statistic, the display
+  the registration promised beside G1 (:func:`refkv.experiments.registered.g1_all_queries`):
+  n prompts, the mean, its 95% t interval and the two-sided p. It is a display, not a verdict;
+* ``distinctiveness.csv``, from the committed passkey test records (``passkey-test.jsonl``):
+  the other promised display, per test prompt the needle's distinctiveness by KeyDiff's score
+  (the full cache's record: the fraction of the prompt's tokens scoring below the needle's,
+  mean over layers and KV heads) beside whether each setting answered.
+
+Run::
+
+    python docs/registered_records.py            # rewrite the CSVs from the records
+    python docs/registered_records.py --check    # write nothing; exit 1 if one differs
+
+and ``tests/experiments/test_registered_records.py`` runs the check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import sys
+from pathlib import Path
+
+from refkv.experiments.phase2_analysis import read_gzip_records
+from refkv.experiments.records import read_records
+from refkv.experiments.registered import (
+    attention_loss_comparisons,
+    g1_all_queries,
+    geometry_comparisons,
+    perplexity_comparisons,
+    unit_rows,
+)
+from refkv.experiments.stats import paired_t_test
+from refkv.experiments.tables import csv_text
+from refkv.files import OutputFolder, read_regular
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "_static" / "experiments" / "registered"
+RECORDS = OUT / "records"
+UNITS = OUT / "units.csv"
+PASSKEY = RECORDS / "passkey-test.jsonl"
+#: Phase one's parts that can be regenerated, and the comparisons each feeds.
+PARTS = {"perplexity": perplexity_comparisons, "attention_loss": attention_loss_comparisons,
+         "geometry": geometry_comparisons}
+MAX_UNITS_BYTES = 1 << 20
+REGENERATED_COLUMNS = ["part", "claim", "a", "b", "units_published", "units_regenerated", "values_compared",
+                       "values_identical", "max_relative_difference"]
+G1_ALL_COLUMNS = ["claim", "a", "n", "unit", "estimate", "low", "high", "p"]
+#: The registered passkey settings, in the verdict table's order.
+SETTINGS = ["keydiff@blocks", "snapkv@blocks", "tova@blocks", "h2o@blocks",
+            "keydiff@oneshot", "snapkv@oneshot", "tova@oneshot", "h2o@oneshot"]
+DISTINCTIVENESS_COLUMNS = ["sample", "source", "depth", "distinctiveness", "full", *SETTINGS]
+
+
+def published_units(path: Path = UNITS) -> dict[tuple, dict]:
+    """``units.csv``'s rows by (claim, a, b, unit), as the verdict script wrote them."""
+    text = read_regular(path, MAX_UNITS_BYTES, what="units table").decode("utf-8")
+    return {(r["claim"], r["a"], r["b"], r["unit"]): r for r in csv.DictReader(io.StringIO(text))}
+
+
+def _relative(x: str, y: str) -> float:
+    a, b = float(x), float(y)
+    return 0.0 if a == b else abs(a - b) / max(abs(a), abs(b))
+
+
+def agreement(part: str, records: list[dict], published: dict[tuple, dict]) -> list[dict]:
+    """Per comparison of ``part``: how the values recomputed from ``records`` agree with ``published``."""
+    rows = {}
+    for row in unit_rows(PARTS[part](records)):
+        key = (row["claim"], row["a"], row["b"] or "")
+        out = rows.setdefault(key, {"part": part, "claim": key[0], "a": key[1], "b": key[2], "units_regenerated": 0,
+                                    "values_compared": 0, "values_identical": 0, "max_relative_difference": 0.0})
+        out["units_regenerated"] += 1
+        old = published.get((*key, row["unit"]))
+        if old is None:
+            raise ValueError(f"{part}: the records hold {key} on {row['unit']}, which units.csv does not")
+        for column in ("value_a", "value_b", "value_full"):
+            if (row[column] is None) != (old[column] == ""):
+                raise ValueError(f"{part}: {key} {row['unit']} {column} is given on one side only")
+            if row[column] is None:
+                continue
+            out["values_compared"] += 1
+            out["values_identical"] += row[column] == old[column]      # repr: equal text is equal bits
+            out["max_relative_difference"] = max(out["max_relative_difference"], _relative(row[column], old[column]))
+    for key, out in rows.items():
+        out["units_published"] = sum(k[:3] == key for k in published)
+    return list(rows.values())
+
+
+def g1_all_row(records: list[dict]) -> dict | None:
+    """G1-all's display row (None without 2 prompts)."""
+    comparison = g1_all_queries(records)
+    if comparison is None:
+        return None
+    interval, p = paired_t_test(comparison.a_values, [0.0] * len(comparison.a_values))
+    return {"claim": comparison.claim, "a": comparison.a, "n": len(comparison.a_values), "unit": comparison.unit,
+            "estimate": interval.estimate, "low": interval.low, "high": interval.high, "p": p}
+
+
+def distinctiveness_rows(records: list[dict]) -> list[dict]:
+    """Per registered test prompt: the needle's distinctiveness (from the full cache's record) and
+    whether the full cache and each setting of :data:`SETTINGS` answered."""
+    prompts: dict[int, dict] = {}
+    for r in records:
+        p, result = r["params"], r["result"]
+        if p.get("design") != "registered" or p.get("purpose") != "test" or "correct" not in result:
+            continue
+        row = prompts.setdefault(p["sample"], {"sample": p["sample"]})
+        if p["policy"] == "full":
+            row.update(source=result["source"], depth=result["depth"], full=bool(result["correct"]),
+                       distinctiveness=result.get("needle_distinctiveness"))
+        else:
+            row[f"{p['policy']}@{'oneshot' if p['block'] is None else 'blocks'}"] = bool(result["correct"])
+    return [prompts[k] for k in sorted(prompts)]
+
+
+def table_files(records: Path = RECORDS, units: Path = UNITS, passkey: Path = PASSKEY) -> dict[str, str]:
+    """The CSVs, computed from the ``NAME.jsonl.gz`` files of ``records``, the published ``units``
+    and the passkey test's records (a missing ``passkey`` file: no distinctiveness table)."""
+    published = published_units(units)
+    rows, g1_all = [], None
+    for part in PARTS:
+        path = records / f"{part}.jsonl.gz"
+        if not path.is_file():
+            continue
+        found = read_gzip_records(path)
+        rows += agreement(part, found, published)
+        if part == "geometry":
+            g1_all = g1_all_row(found)
+    if not rows:
+        raise ValueError(f"{records}: none of {', '.join(f'{p}.jsonl.gz' for p in PARTS)}; nothing to compare")
+    files = {"regenerated.csv": csv_text(rows, REGENERATED_COLUMNS)}
+    if g1_all is not None:
+        files["g1_all.csv"] = csv_text([g1_all], G1_ALL_COLUMNS)
+    prompts = distinctiveness_rows(read_records(passkey))
+    if prompts:
+        files["distinctiveness.csv"] = csv_text(prompts, DISTINCTIVENESS_COLUMNS)
+    return files
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python docs/registered_records.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--records", default=str(RECORDS), metavar="DIR",
+                        help=f"the folder of the regenerated *.jsonl.gz records (default {RECORDS})")
+    parser.add_argument("--units", default=str(UNITS), metavar="CSV", help=f"the published units (default {UNITS})")
+    parser.add_argument("--passkey", default=str(PASSKEY), metavar="JSONL",
+                        help=f"the passkey test's records (default {PASSKEY})")
+    parser.add_argument("--out", default=str(OUT), metavar="DIR", help=f"where the CSVs go (default {OUT})")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 naming each CSV that differs from what would be written")
+    args = parser.parse_args(argv)  # unknown arguments: exit 2
+    try:
+        folder = OutputFolder(args.out, what="--out", inputs=[args.records, args.units, args.passkey])
+        files = table_files(Path(args.records), Path(args.units), Path(args.passkey))
+    except ValueError as err:
+        parser.error(str(err))
+    stale = folder.publish(files, check=args.check)
+    if args.check:
+        for name in stale:
+            print(f"differs: {folder.path(name)}")
+        print(f"{len(stale)} of {len(files)} files differ")
+        return 1 if stale else 0
+    table = list(csv.DictReader(io.StringIO(files["regenerated.csv"])))
+    same = sum(int(r["values_identical"]) for r in table)
+    total = sum(int(r["values_compared"]) for r in table)
+    print(f"{same} of {total} published values recomputed bit for bit from the regenerated records "
+          f"-> {args.out} ({len(stale)} files changed)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
