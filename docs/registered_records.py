@@ -15,8 +15,11 @@ recomputes them from it). It writes into ``_static/experiments/registered/``:
 * ``g1_all.csv``, once the geometry records are there: G1's all-queries statistic, the display
   the registration promised beside G1 (:func:`refkv.experiments.registered.g1_all_queries`):
   n prompts, the mean, its 95% t interval and the two-sided p. It is a display, not a verdict;
+* ``seeds.csv``, once the attention-loss records are there: HashEvict's per-seed values (A1),
+  per prompt the mean attention loss under each registered hash seed and their mean, the
+  value A1's test used;
 * ``distinctiveness.csv``, from the committed passkey test records (``passkey-test.jsonl``):
-  the other promised display, per test prompt the needle's distinctiveness by KeyDiff's score
+  another promised display, per test prompt the needle's distinctiveness by KeyDiff's score
   (the full cache's record: the fraction of the prompt's tokens scoring below the needle's,
   mean over layers and KV heads) beside whether each setting answered.
 
@@ -61,6 +64,7 @@ MAX_UNITS_BYTES = 1 << 20
 REGENERATED_COLUMNS = ["part", "claim", "a", "b", "units_published", "units_regenerated", "values_compared",
                        "values_identical", "max_relative_difference"]
 G1_ALL_COLUMNS = ["claim", "a", "n", "unit", "estimate", "low", "high", "p"]
+SEED_COLUMNS = ["claim", "text", "segment", "seed=0", "seed=1", "seed=2", "mean"]
 #: The registered passkey settings, in the verdict table's order.
 SETTINGS = ["keydiff@blocks", "snapkv@blocks", "tova@blocks", "h2o@blocks",
             "keydiff@oneshot", "snapkv@oneshot", "tova@oneshot", "h2o@oneshot"]
@@ -112,6 +116,28 @@ def g1_all_row(records: list[dict]) -> dict | None:
             "estimate": interval.estimate, "low": interval.low, "high": interval.high, "p": p}
 
 
+def seed_rows(records: list[dict]) -> list[dict]:
+    """Per registered A1 prompt with every seed: HashEvict's mean loss under each registered seed
+    and their mean (the prompt's value in A1's test)."""
+    from refkv.experiments.attention_loss import REGISTERED_STEP_POLICIES
+    from refkv.experiments.perplexity import registered_texts
+
+    seeds = [s for s in REGISTERED_STEP_POLICIES if s.startswith("hashevict")]
+    loss: dict[str, dict[tuple, float]] = {}
+    for r in records:
+        p = r["params"]
+        if p.get("design") == "registered" and p.get("kind") == "step_loss" and p.get("policy") in seeds:
+            loss.setdefault(p["policy"], {})[(p["text"], p["segment"])] = float(r["result"]["mean_loss"])
+    rows = []
+    for text, segment in registered_texts("verdict"):
+        if all((text, segment) in loss.get(s, {}) for s in seeds):
+            values = [loss[s][(text, segment)] for s in seeds]
+            rows.append({"claim": "A1", "text": text, "segment": segment,
+                         **{s.removeprefix("hashevict:"): v for s, v in zip(seeds, values)},
+                         "mean": sum(values) / len(values)})
+    return rows
+
+
 def distinctiveness_rows(records: list[dict]) -> list[dict]:
     """Per registered test prompt: the needle's distinctiveness (from the full cache's record) and
     whether the full cache and each setting of :data:`SETTINGS` answered."""
@@ -133,7 +159,7 @@ def table_files(records: Path = RECORDS, units: Path = UNITS, passkey: Path = PA
     """The CSVs, computed from the ``NAME.jsonl.gz`` files of ``records``, the published ``units``
     and the passkey test's records (a missing ``passkey`` file: no distinctiveness table)."""
     published = published_units(units)
-    rows, g1_all = [], None
+    rows, g1_all, files = [], None, {}
     for part in PARTS:
         path = records / f"{part}.jsonl.gz"
         if not path.is_file():
@@ -142,9 +168,11 @@ def table_files(records: Path = RECORDS, units: Path = UNITS, passkey: Path = PA
         rows += agreement(part, found, published)
         if part == "geometry":
             g1_all = g1_all_row(found)
+        if part == "attention_loss":
+            files["seeds.csv"] = csv_text(seed_rows(found), SEED_COLUMNS)
     if not rows:
         raise ValueError(f"{records}: none of {', '.join(f'{p}.jsonl.gz' for p in PARTS)}; nothing to compare")
-    files = {"regenerated.csv": csv_text(rows, REGENERATED_COLUMNS)}
+    files["regenerated.csv"] = csv_text(rows, REGENERATED_COLUMNS)
     if g1_all is not None:
         files["g1_all.csv"] = csv_text([g1_all], G1_ALL_COLUMNS)
     prompts = distinctiveness_rows(read_records(passkey))

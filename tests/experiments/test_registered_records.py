@@ -127,6 +127,25 @@ def test_no_regenerated_records_is_a_clear_error(tmp_path, capsys):
     assert exit_.value.code == 2 and "nothing to compare" in capsys.readouterr().err
 
 
+def test_seed_rows_give_each_seeds_loss_and_the_mean_a1_tests():
+    from refkv.experiments.registered import attention_loss_comparisons
+
+    rng = np.random.default_rng(5)
+    records = []
+    for text, segment in registered_texts("verdict"):
+        for policy in ("hashevict:seed=0", "hashevict:seed=1", "hashevict:seed=2", "knorm", "h2o"):
+            params = {"design": "registered", "kind": "step_loss", "text": text, "segment": segment,
+                      "policy": policy}
+            records.append({"params": params, "result": {"mean_loss": float(rng.uniform(0, 0.2))}})
+    rows = _script().seed_rows(records[:-1])          # the last prompt without its H2O: still every seed
+    assert len(rows) == 16 and rows[0]["segment"] == 0
+    a1 = {c.b: c for c in attention_loss_comparisons(records)}["hashevict"]   # H2O - HashEvict
+    for row, value in zip(rows, a1.b_values):
+        assert row["mean"] == pytest.approx(value, rel=1e-15)
+        assert row["mean"] == pytest.approx(np.mean([row["seed=0"], row["seed=1"], row["seed=2"]]), rel=1e-15)
+    assert len(_script().seed_rows(records[:-3])) == 15   # a prompt missing seed 2 is left out
+
+
 def test_distinctiveness_rows_pair_the_full_caches_needle_score_with_each_settings_answer():
     def record(sample, policy, block, correct, **extra):
         params = {"design": "registered", "purpose": "test", "sample": sample, "policy": policy, "block": block,
