@@ -46,6 +46,7 @@ from refkv.experiments.registered import (
     g1_all_queries,
     geometry_comparisons,
     perplexity_comparisons,
+    step_losses,
     unit_rows,
 )
 from refkv.experiments.stats import paired_t_test
@@ -123,11 +124,7 @@ def seed_rows(records: list[dict]) -> list[dict]:
     from refkv.experiments.perplexity import registered_texts
 
     seeds = [s for s in REGISTERED_STEP_POLICIES if s.startswith("hashevict")]
-    loss: dict[str, dict[tuple, float]] = {}
-    for r in records:
-        p = r["params"]
-        if p.get("design") == "registered" and p.get("kind") == "step_loss" and p.get("policy") in seeds:
-            loss.setdefault(p["policy"], {})[(p["text"], p["segment"])] = float(r["result"]["mean_loss"])
+    loss = step_losses(records)
     rows = []
     for text, segment in registered_texts("verdict"):
         if all((text, segment) in loss.get(s, {}) for s in seeds):
@@ -165,17 +162,23 @@ def table_files(records: Path = RECORDS, units: Path = UNITS, passkey: Path = PA
         if not path.is_file():
             continue
         found = read_gzip_records(path)
-        rows += agreement(part, found, published)
-        if part == "geometry":
-            g1_all = g1_all_row(found)
-        if part == "attention_loss":
-            files["seeds.csv"] = csv_text(seed_rows(found), SEED_COLUMNS)
+        try:
+            rows += agreement(part, found, published)
+            if part == "geometry":
+                g1_all = g1_all_row(found)
+            if part == "attention_loss":
+                files["seeds.csv"] = csv_text(seed_rows(found), SEED_COLUMNS)
+        except (KeyError, TypeError) as err:   # a record without a field the rule reads, or of another type
+            raise ValueError(f"{path}: a record lacks or mistypes a field the rule reads ({err!r})") from None
     if not rows:
         raise ValueError(f"{records}: none of {', '.join(f'{p}.jsonl.gz' for p in PARTS)}; nothing to compare")
     files["regenerated.csv"] = csv_text(rows, REGENERATED_COLUMNS)
     if g1_all is not None:
         files["g1_all.csv"] = csv_text([g1_all], G1_ALL_COLUMNS)
-    prompts = distinctiveness_rows(read_records(passkey))
+    try:
+        prompts = distinctiveness_rows(read_records(passkey))
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{passkey}: a record lacks or mistypes a field the display reads ({err!r})") from None
     if prompts:
         files["distinctiveness.csv"] = csv_text(prompts, DISTINCTIVENESS_COLUMNS)
     return files

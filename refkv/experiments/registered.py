@@ -38,6 +38,7 @@ __all__ = [
     "passkey_comparisons",
     "perplexity_comparisons",
     "read_registration",
+    "step_losses",
     "unit_rows",
     "verdict_rows",
     "versus_paper",
@@ -435,6 +436,11 @@ def _paired(claim: str, a_name: str, a: dict, b_name: str | None, b: dict | None
                       float(np.mean(b_values)) if reference else None, _labels(units))
 
 
+def step_losses(records: list[dict]) -> dict[str, dict[tuple, float]]:
+    """``{policy: {(text, segment): mean_loss}}`` of the registered attention-loss cells that ran."""
+    return _prompt_values(records, "step_loss", lambda result: result["mean_loss"])
+
+
 def attention_loss_comparisons(records: list[dict]) -> list[Comparison]:
     """Claim A1 from the registered per-step attention-loss records, paired by prompt.
 
@@ -444,7 +450,7 @@ def attention_loss_comparisons(records: list[dict]) -> list[Comparison]:
     """
     from .attention_loss import REGISTERED_STEP_POLICIES
 
-    loss = _prompt_values(records, "step_loss", lambda result: result["mean_loss"])
+    loss = step_losses(records)
     seeds = [policy for policy in REGISTERED_STEP_POLICIES if policy.startswith("hashevict")]
     hashevict = {t: float(np.mean([loss[s][t] for s in seeds])) for t in loss.get(seeds[0], {})
                  if all(t in loss.get(s, {}) for s in seeds)}

@@ -127,6 +127,22 @@ def test_no_regenerated_records_is_a_clear_error(tmp_path, capsys):
     assert exit_.value.code == 2 and "nothing to compare" in capsys.readouterr().err
 
 
+def test_a_record_without_a_field_the_rule_reads_is_a_one_line_error(tmp_path, capsys):
+    records = _cosine_records(_statistics(1), _statistics(2))
+    units = tmp_path / "units.csv"
+    units.write_text(_units(records), encoding="utf-8")
+    del records[5]["result"]["common_queries"]
+    folder = tmp_path / "records"
+    folder.mkdir()
+    (folder / "geometry.jsonl.gz").write_bytes(
+        gzip.compress(("\n".join(json.dumps(r, sort_keys=True) for r in records) + "\n").encode()))
+    with pytest.raises(SystemExit) as exit_:
+        _script().main(["--records", str(folder), "--units", str(units), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "lacks or mistypes a field" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_seed_rows_give_each_seeds_loss_and_the_mean_a1_tests():
     from refkv.experiments.registered import attention_loss_comparisons
 
