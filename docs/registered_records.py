@@ -15,9 +15,19 @@ recomputes them from it). It writes into ``_static/experiments/registered/``:
 * ``g1_all.csv``, once the geometry records are there: G1's all-queries statistic, the display
   the registration promised beside G1 (:func:`refkv.experiments.registered.g1_all_queries`):
   n prompts, the mean, its 95% t interval and the two-sided p. It is a display, not a verdict;
-* ``seeds.csv``, once the attention-loss records are there: HashEvict's per-seed values (A1),
-  per prompt the mean attention loss under each registered hash seed and their mean, the
-  value A1's test used;
+* ``seeds.csv``: HashEvict's per-seed values, per text the value under each registered hash
+  seed and their mean, the value the claim's test used: A1's mean attention loss (from the
+  attention-loss records) and H1's perplexity (from the perplexity records);
+* ``bootstrap.csv``, once the perplexity records are there: the registered sensitivity display
+  of every perplexity claim, the two-stage bootstrap (texts, then 64-token blocks within a text;
+  10,000 resamples) beside the t interval, seed 0's interval and the range of each end over 20
+  bootstrap seeds (:func:`refkv.experiments.phase2_analysis.document_bootstrap`, each text its
+  own document, HashEvict's seeds averaged within a text as its per-text value is). No verdict
+  uses it;
+* ``mat_selection.csv``, once the perplexity records are there: MAT's choice re-derived, every
+  spec of its grid with its mean per-text perplexity on the 4 selection texts, the spec the
+  registered rule chooses (:func:`refkv.experiments.registered.chosen_mat`) and the one
+  ``choices.csv`` published;
 * ``distinctiveness.csv``, from the committed passkey test records (``passkey-test.jsonl``):
   another promised display, per test prompt the needle's distinctiveness by KeyDiff's score
   (the full cache's record: the fraction of the prompt's tokens scoring below the needle's,
@@ -39,13 +49,22 @@ import io
 import sys
 from pathlib import Path
 
-from refkv.experiments.phase2_analysis import read_gzip_records
+from refkv.experiments.phase2_analysis import (
+    BOOTSTRAP_RESAMPLES,
+    BOOTSTRAP_SEEDS,
+    document_bootstrap,
+    read_gzip_records,
+)
 from refkv.experiments.records import read_records
 from refkv.experiments.registered import (
+    REGISTERED_HASHEVICT,
     attention_loss_comparisons,
+    chosen_mat,
     g1_all_queries,
     geometry_comparisons,
+    mat_selection,
     perplexity_comparisons,
+    perplexity_token_losses,
     step_losses,
     unit_rows,
 )
@@ -57,6 +76,7 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE / "_static" / "experiments" / "registered"
 RECORDS = OUT / "records"
 UNITS = OUT / "units.csv"
+CHOICES = OUT / "choices.csv"
 PASSKEY = RECORDS / "passkey-test.jsonl"
 #: Phase one's parts that can be regenerated, and the comparisons each feeds.
 PARTS = {"perplexity": perplexity_comparisons, "attention_loss": attention_loss_comparisons,
@@ -66,6 +86,9 @@ REGENERATED_COLUMNS = ["part", "claim", "a", "b", "units_published", "units_rege
                        "values_identical", "max_relative_difference"]
 G1_ALL_COLUMNS = ["claim", "a", "n", "unit", "estimate", "low", "high", "p"]
 SEED_COLUMNS = ["claim", "text", "segment", "seed=0", "seed=1", "seed=2", "mean"]
+BOOTSTRAP_COLUMNS = ["claim", "a", "b", "texts", "estimate", "t_low", "t_high", "low", "high", "low_min",
+                     "low_max", "high_min", "high_max", "seeds", "resamples"]
+MAT_COLUMNS = ["spec", "texts", "mean_ppl", "chosen", "published"]
 #: The registered passkey settings, in the verdict table's order.
 SETTINGS = ["keydiff@blocks", "snapkv@blocks", "tova@blocks", "h2o@blocks",
             "keydiff@oneshot", "snapkv@oneshot", "tova@oneshot", "h2o@oneshot"]
@@ -117,22 +140,68 @@ def g1_all_row(records: list[dict]) -> dict | None:
             "estimate": interval.estimate, "low": interval.low, "high": interval.high, "p": p}
 
 
-def seed_rows(records: list[dict]) -> list[dict]:
-    """Per registered A1 prompt with every seed: HashEvict's mean loss under each registered seed
-    and their mean (the prompt's value in A1's test)."""
-    from refkv.experiments.attention_loss import REGISTERED_STEP_POLICIES
+def seed_rows(claim: str, per_seed: dict[str, dict[tuple, float]]) -> list[dict]:
+    """Per registered verdict text with every seed of ``per_seed`` (``{"hashevict:seed=S":
+    {(text, segment): value}}``): each seed's value and their mean, the text's value in the
+    claim's test."""
     from refkv.experiments.perplexity import registered_texts
 
-    seeds = [s for s in REGISTERED_STEP_POLICIES if s.startswith("hashevict")]
-    loss = step_losses(records)
+    seeds = REGISTERED_HASHEVICT
     rows = []
     for text, segment in registered_texts("verdict"):
-        if all((text, segment) in loss.get(s, {}) for s in seeds):
-            values = [loss[s][(text, segment)] for s in seeds]
-            rows.append({"claim": "A1", "text": text, "segment": segment,
+        if all((text, segment) in per_seed.get(s, {}) for s in seeds):
+            values = [per_seed[s][(text, segment)] for s in seeds]
+            rows.append({"claim": claim, "text": text, "segment": segment,
                          **{s.removeprefix("hashevict:"): v for s, v in zip(seeds, values)},
                          "mean": sum(values) / len(values)})
     return rows
+
+
+def perplexity_seeds(records: list[dict]) -> dict[str, dict[tuple, float]]:
+    """H1's per-seed values: ``{"hashevict:seed=S": {(text, segment): ppl}}`` of the registered
+    token-by-token (``B = 1``) HashEvict cells that ran."""
+    out: dict[str, dict[tuple, float]] = {}
+    for r in records:
+        p = r["params"]
+        if (p.get("design") == "registered" and p["policy"] in REGISTERED_HASHEVICT and p["block"] == 1
+                and "skipped" not in r["result"]):
+            out.setdefault(p["policy"], {})[(p["text"], p["segment"])] = r["result"]["ppl"]
+    return out
+
+
+def bootstrap_rows(records: list[dict], *, n_boot: int = BOOTSTRAP_RESAMPLES,
+                   seeds: int = BOOTSTRAP_SEEDS) -> list[dict]:
+    """The registered two-stage bootstrap of every perplexity comparison the records give: seed
+    0's interval, and the range of each end over ``seeds`` bootstrap seeds, beside the t interval."""
+    rows = []
+    for comparison in perplexity_comparisons(records):
+        arrays = perplexity_token_losses(records, comparison)     # (runs, texts, 1, tokens) each
+        draws = [document_bootstrap(*arrays, n_boot=n_boot, seed=s) for s in range(seeds)]
+        interval, _ = paired_t_test(comparison.a_values, comparison.b_values)
+        rows.append({"claim": comparison.claim, "a": comparison.a, "b": comparison.b,
+                     "texts": len(comparison.a_values), "estimate": draws[0].estimate,
+                     "t_low": interval.low, "t_high": interval.high, "low": draws[0].low, "high": draws[0].high,
+                     "low_min": min(d.low for d in draws), "low_max": max(d.low for d in draws),
+                     "high_min": min(d.high for d in draws), "high_max": max(d.high for d in draws),
+                     "seeds": seeds, "resamples": n_boot})
+    return rows
+
+
+def mat_rows(records: list[dict], published: str | None) -> list[dict]:
+    """MAT's selection table: each spec's mean per-text perplexity on the selection texts, whether
+    the registered rule chooses it, and whether ``choices.csv`` names it (``published``)."""
+    chosen = chosen_mat(records)
+    return [{"spec": spec, "texts": texts, "mean_ppl": mean, "chosen": spec == chosen, "published": spec == published}
+            for spec, (mean, texts) in sorted(mat_selection(records).items(), key=lambda item: (item[1][0], item[0]))]
+
+
+def published_mat(path: Path = CHOICES) -> str | None:
+    """The MAT spec ``choices.csv`` names (None where it names none)."""
+    text = read_regular(path, MAX_UNITS_BYTES, what="choices table").decode("utf-8")
+    rows = list(csv.DictReader(io.StringIO(text)))
+    if len(rows) != 1 or "mat_spec" not in rows[0]:
+        raise ValueError(f"{path}: expected one row with a mat_spec column")
+    return rows[0]["mat_spec"] or None
 
 
 def distinctiveness_rows(records: list[dict]) -> list[dict]:
@@ -152,11 +221,13 @@ def distinctiveness_rows(records: list[dict]) -> list[dict]:
     return [prompts[k] for k in sorted(prompts)]
 
 
-def table_files(records: Path = RECORDS, units: Path = UNITS, passkey: Path = PASSKEY) -> dict[str, str]:
+def table_files(records: Path = RECORDS, units: Path = UNITS, passkey: Path = PASSKEY, choices: Path = CHOICES, *,
+                n_boot: int = BOOTSTRAP_RESAMPLES, seeds: int = BOOTSTRAP_SEEDS) -> dict[str, str]:
     """The CSVs, computed from the ``NAME.jsonl.gz`` files of ``records``, the published ``units``
-    and the passkey test's records (a missing ``passkey`` file: no distinctiveness table)."""
+    and ``choices`` and the passkey test's records (a missing ``passkey`` file: no
+    distinctiveness table); ``n_boot`` and ``seeds`` are the bootstrap display's."""
     published = published_units(units)
-    rows, g1_all, files = [], None, {}
+    rows, g1_all, files, seed_table = [], None, {}, []
     for part in PARTS:
         path = records / f"{part}.jsonl.gz"
         if not path.is_file():
@@ -167,12 +238,18 @@ def table_files(records: Path = RECORDS, units: Path = UNITS, passkey: Path = PA
             if part == "geometry":
                 g1_all = g1_all_row(found)
             if part == "attention_loss":
-                files["seeds.csv"] = csv_text(seed_rows(found), SEED_COLUMNS)
+                seed_table += seed_rows("A1", step_losses(found))
+            if part == "perplexity":
+                seed_table += seed_rows("H1", perplexity_seeds(found))
+                files["bootstrap.csv"] = csv_text(bootstrap_rows(found, n_boot=n_boot, seeds=seeds), BOOTSTRAP_COLUMNS)
+                files["mat_selection.csv"] = csv_text(mat_rows(found, published_mat(choices)), MAT_COLUMNS)
         except (KeyError, TypeError) as err:   # a record without a field the rule reads, or of another type
             raise ValueError(f"{path}: a record lacks or mistypes a field the rule reads ({err!r})") from None
     if not rows:
         raise ValueError(f"{records}: none of {', '.join(f'{p}.jsonl.gz' for p in PARTS)}; nothing to compare")
     files["regenerated.csv"] = csv_text(rows, REGENERATED_COLUMNS)
+    if seed_table:
+        files["seeds.csv"] = csv_text(seed_table, SEED_COLUMNS)
     if g1_all is not None:
         files["g1_all.csv"] = csv_text([g1_all], G1_ALL_COLUMNS)
     try:
@@ -191,13 +268,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--units", default=str(UNITS), metavar="CSV", help=f"the published units (default {UNITS})")
     parser.add_argument("--passkey", default=str(PASSKEY), metavar="JSONL",
                         help=f"the passkey test's records (default {PASSKEY})")
+    parser.add_argument("--choices", default=str(CHOICES), metavar="CSV",
+                        help=f"the published choices, MAT's spec among them (default {CHOICES})")
     parser.add_argument("--out", default=str(OUT), metavar="DIR", help=f"where the CSVs go (default {OUT})")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 naming each CSV that differs from what would be written")
     args = parser.parse_args(argv)  # unknown arguments: exit 2
     try:
-        folder = OutputFolder(args.out, what="--out", inputs=[args.records, args.units, args.passkey])
-        files = table_files(Path(args.records), Path(args.units), Path(args.passkey))
+        folder = OutputFolder(args.out, what="--out", inputs=[args.records, args.units, args.passkey, args.choices])
+        files = table_files(Path(args.records), Path(args.units), Path(args.passkey), Path(args.choices))
     except ValueError as err:
         parser.error(str(err))
     stale = folder.publish(files, check=args.check)
@@ -211,6 +290,12 @@ def main(argv: list[str]) -> int:
     total = sum(int(r["values_compared"]) for r in table)
     print(f"{same} of {total} published values recomputed bit for bit from the regenerated records "
           f"-> {args.out} ({len(stale)} files changed)")
+    if "mat_selection.csv" in files:
+        mat = list(csv.DictReader(io.StringIO(files["mat_selection.csv"])))
+        chosen = [r["spec"] for r in mat if r["chosen"] == "True"]
+        published = [r["spec"] for r in mat if r["published"] == "True"]
+        print(f"MAT's choice from the records: {chosen[0] if chosen else 'none'}; choices.csv: "
+              f"{published[0] if published else 'not among the records'}")
     return 0
 
 

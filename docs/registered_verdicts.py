@@ -38,6 +38,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from refkv.experiments.phase2_analysis import read_gzip_records
 from refkv.experiments.records import read_records
 from refkv.experiments.registered import (
     UNIT_COLUMNS,
@@ -52,7 +53,7 @@ from refkv.experiments.registered import (
     verdict_rows,
 )
 from refkv.experiments.tables import csv_text
-from refkv.files import OutputFolder
+from refkv.files import OutputFolder, read_regular
 
 HERE = Path(__file__).resolve().parent
 REGISTRATION = HERE / "experiment_registration.json"
@@ -66,15 +67,27 @@ def registration() -> dict:
     return read_registration(REGISTRATION)  # validated: one-line errors naming the file and key
 
 
+def experiment_records(results: Path, name: str) -> list[dict]:
+    """The registered run's records of experiment ``name`` under ``results``: the run's own
+    ``NAME.jsonl``, or, in the committed records folder, ``NAME.jsonl.gz`` (for the passkey
+    experiment ``passkey-calibration.jsonl`` and ``passkey-test.jsonl``); none: ``[]``."""
+    packed = results / f"{name}.jsonl.gz"
+    if not (results / f"{name}.jsonl").exists() and packed.is_file():
+        return read_gzip_records(packed)
+    if name == "passkey" and not (results / "passkey.jsonl").exists():
+        return [*read_records(results / "passkey-calibration.jsonl"), *read_records(results / "passkey-test.jsonl")]
+    return read_records(results / f"{name}.jsonl")
+
+
 def tables(results: Path) -> dict[str, list[dict]]:
     """Every table this script writes, from the records under ``results``."""
     design = registration()
-    passkey = read_records(results / "passkey.jsonl")
-    perplexity = read_records(results / "perplexity.jsonl")
+    passkey = experiment_records(results, "passkey")
+    perplexity = experiment_records(results, "perplexity")
     length, tally = calibrated_length(passkey, design)
     comparisons = (passkey_comparisons(passkey) + perplexity_comparisons(perplexity)
-                   + attention_loss_comparisons(read_records(results / "attention_loss.jsonl"))
-                   + geometry_comparisons(read_records(results / "geometry.jsonl")))
+                   + attention_loss_comparisons(experiment_records(results, "attention_loss"))
+                   + geometry_comparisons(experiment_records(results, "geometry")))
     return {
         "verdicts": verdict_rows(design, comparisons),
         "calibration": [{"length": k, "correct": right, "prompts": n, "chosen": k == length}
@@ -102,7 +115,7 @@ def run_cost(results: Path) -> list[dict]:
     counted as the run's time."""
     rows, total_cpu, total_wall, total_cells = [], 0.0, 0.0, 0
     for name in EXPERIMENTS:
-        records = [r for r in read_records(results / f"{name}.jsonl") if r["params"].get("design") == "registered"
+        records = [r for r in experiment_records(results, name) if r["params"].get("design") == "registered"
                    and "finished_utc" in r]                   # the runner's records all carry their times
         if not records:
             continue
@@ -384,15 +397,22 @@ def table_files(results: Path) -> tuple[dict[str, str], dict]:
     }, {"length": chosen[0] if chosen else None, "mat": out["mat"][0]["chosen_mat"], "n": len(out["verdicts"])}
 
 
+def published_cost(path: Path) -> str:
+    """The published ``run.csv``'s text (``--published-cost``); a missing file is a clear error."""
+    if not path.is_file():
+        raise ValueError(f"--published-cost: {path} does not exist; there is no published cost to keep")
+    return read_regular(path, 1 << 16, what="published run.csv").decode("utf-8")
+
+
 def _results_folder(text: str) -> Path:
     """``RESULTS``: an existing folder holding at least one of the registered run's records files."""
     results = Path(text)
     if not results.is_dir():
         raise ValueError(f"RESULTS {results}: no such folder (the folder `refkv experiment ... --registered` "
                          f"wrote its records to)")
-    if not any((results / f"{name}.jsonl").is_file() for name in EXPERIMENTS):
-        raise ValueError(f"RESULTS {results}: holds none of {', '.join(f'{n}.jsonl' for n in EXPERIMENTS)}; "
-                         f"nothing to compute the verdicts from")
+    if not any((results / f"{name}{suffix}").is_file() for name in EXPERIMENTS for suffix in (".jsonl", ".jsonl.gz")):
+        raise ValueError(f"RESULTS {results}: holds none of {', '.join(f'{n}.jsonl' for n in EXPERIMENTS)} "
+                         f"(or .jsonl.gz); nothing to compute the verdicts from")
     return results
 
 
@@ -405,6 +425,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 naming each published file that differs from what would be "
                              "written (the figure is not compared: matplotlib's bytes vary by version)")
+    parser.add_argument("--published-cost", action="store_true",
+                        help="keep the published run.csv (the first run's cost) instead of the records' own: "
+                             "for the committed records, some of which were regenerated by a later run")
     parser.add_argument("--out", default=str(OUT), metavar="DIR", help=f"where the files go (default {OUT})")
     args = parser.parse_args(argv)  # unknown arguments: exit 2; --help: exit 0, nothing written
     folder = OutputFolder(args.out, what="--out")
@@ -414,6 +437,8 @@ def main(argv: list[str]) -> int:
             files, summary = page_files(Path(args.out), design), None
         else:  # every input validated and every file computed before one is written
             csvs, summary = table_files(_results_folder(args.results))
+            if args.published_cost:
+                csvs["run.csv"] = published_cost(Path(args.out) / "run.csv")
             files = {**csvs, **page_files(csvs, design)}
     except ValueError as err:
         parser.error(str(err))

@@ -27,6 +27,7 @@ from ..validation import shown
 from .stats import Interval, holm, mcnemar_exact, newcombe_paired_difference, paired_t_test
 
 __all__ = [
+    "REGISTERED_HASHEVICT",
     "Comparison",
     "attention_loss_comparisons",
     "calibrated_length",
@@ -34,15 +35,21 @@ __all__ = [
     "comparisons_from_units",
     "g1_all_queries",
     "geometry_comparisons",
+    "mat_selection",
     "paper_effect",
     "passkey_comparisons",
     "perplexity_comparisons",
+    "perplexity_design",
+    "perplexity_token_losses",
     "read_registration",
     "step_losses",
     "unit_rows",
     "verdict_rows",
     "versus_paper",
 ]
+
+#: HashEvict's registered hash seeds (the registration's ``hashevict_seeds``: 3), one side of H1 and A1.
+REGISTERED_HASHEVICT = ("hashevict:seed=0", "hashevict:seed=1", "hashevict:seed=2")
 
 #: Measures tested as paired binary outcomes; everything else is a paired mean.
 BINARY_MEASURES = ("passkey accuracy",)
@@ -360,14 +367,41 @@ def _per_text_ppl(records: list[dict], policy: str, block: int) -> dict[tuple, f
 def chosen_mat(records: list[dict]) -> str | None:
     """MAT's spec with the lowest mean per-text perplexity on the selection texts (the only
     records of MAT in blocks); ties go to the spec that sorts first."""
+    means = mat_selection(records)
+    return min(sorted(means), key=lambda spec: means[spec][0]) if means else None
+
+
+def mat_selection(records: list[dict]) -> dict[str, tuple[float, int]]:
+    """``{spec: (mean per-text perplexity, texts)}`` of every MAT spec on the selection texts,
+    the table :func:`chosen_mat` chooses from."""
     from .perplexity import REGISTERED_BLOCK
 
-    means = {}
+    ppl: dict[str, list[float]] = {}
     for r in _registered(records):
         p = r["params"]
         if p["policy"].startswith("mat") and p["block"] == REGISTERED_BLOCK:
-            means.setdefault(p["policy"], []).append(r["result"]["ppl"])
-    return min(sorted(means), key=lambda spec: float(np.mean(means[spec]))) if means else None
+            ppl.setdefault(p["policy"], []).append(r["result"]["ppl"])
+    return {spec: (float(np.mean(values)), len(values)) for spec, values in ppl.items()}
+
+
+def perplexity_design(records: list[dict]) -> list[tuple[str, str, tuple[str, ...], str, tuple[str, ...], int]]:
+    """The registered perplexity comparisons as ``(claim, a, a_runs, b, b_runs, block)``.
+
+    ``a_runs`` and ``b_runs`` are the policy specs whose runs make one side (HashEvict's
+    registered hash seeds, averaged per text; one spec otherwise); ``block`` is the prefill
+    block both sides ran with. M1 is absent until :func:`chosen_mat` has MAT's selection records.
+    """
+    from .perplexity import REGISTERED_BLOCK
+
+    hashevict = REGISTERED_HASHEVICT
+    design = [("L1", "keydiff", ("keydiff",), other, (other,), REGISTERED_BLOCK) for other in ("snapkv", "tova", "h2o")]
+    design += [("C1", f"caote:base={base}", (f"caote:base={base}",), base, (base,), REGISTERED_BLOCK)
+               for base in ("h2o", "tova", "snapkv")]
+    design.append(("H1", "hashevict", hashevict, "knorm:recent=10,sink=4", ("knorm:recent=10,sink=4",), 1))
+    mat = chosen_mat(records)
+    if mat is not None:
+        design.append(("M1", "mat@selected", (mat,), "sink", ("sink",), 1))
+    return design
 
 
 def perplexity_comparisons(records: list[dict]) -> list[Comparison]:
@@ -375,40 +409,55 @@ def perplexity_comparisons(records: list[dict]) -> list[Comparison]:
 
     Each unit is a verdict text; ``reference`` is B's mean per-text gap to the full cache on
     the same texts (what a paper's fraction of a gap scales). HashEvict's per-text value is
-    its mean over the registered seeds; MAT is the spec :func:`chosen_mat` picks.
+    its mean over the registered seeds; MAT is the spec :func:`chosen_mat` picks
+    (:func:`perplexity_design`).
     """
     from .perplexity import REGISTERED_BLOCK, registered_texts
 
     texts = registered_texts("verdict")
     full = _per_text_ppl(records, "full", REGISTERED_BLOCK)
 
-    def side(policy, block):
-        if policy == "hashevict":
-            seeds = [_per_text_ppl(records, f"hashevict:seed={s}", block) for s in range(3)]
-            return {t: float(np.mean([seed[t] for seed in seeds])) for t in texts if all(t in seed for seed in seeds)}
-        return _per_text_ppl(records, policy, block)
-
-    def pair(claim, a_name, a, b_name, b):
-        units = [t for t in texts if t in a and t in b and t in full]
-        if len(units) < 2:
-            return None
-        b_values = np.array([b[t] for t in units])
-        full_values = np.array([full[t] for t in units])
-        return Comparison(claim, a_name, b_name, np.array([a[t] for t in units]), b_values, "texts",
-                          float(np.mean(b_values - full_values)), _labels(units), full_values)
+    def side(runs, block):
+        if len(runs) == 1:
+            return _per_text_ppl(records, runs[0], block)
+        per_run = [_per_text_ppl(records, run, block) for run in runs]
+        return {t: float(np.mean([run[t] for run in per_run])) for t in texts if all(t in run for run in per_run)}
 
     out = []
-    for other in ("snapkv", "tova", "h2o"):
-        out.append(pair("L1", "keydiff", side("keydiff", REGISTERED_BLOCK), other, side(other, REGISTERED_BLOCK)))
-    for base in ("h2o", "tova", "snapkv"):
-        out.append(pair("C1", f"caote:base={base}", side(f"caote:base={base}", REGISTERED_BLOCK), base,
-                        side(base, REGISTERED_BLOCK)))
-    out.append(pair("H1", "hashevict", side("hashevict", 1), "knorm:recent=10,sink=4",
-                    side("knorm:recent=10,sink=4", 1)))
-    mat = chosen_mat(records)
-    if mat is not None:
-        out.append(pair("M1", "mat@selected", side(mat, 1), "sink", side("sink", 1)))
-    return [c for c in out if c is not None]
+    for claim, a_name, a_runs, b_name, b_runs, block in perplexity_design(records):
+        a, b = side(a_runs, block), side(b_runs, block)
+        units = [t for t in texts if t in a and t in b and t in full]
+        if len(units) < 2:
+            continue
+        b_values = np.array([b[t] for t in units])
+        full_values = np.array([full[t] for t in units])
+        out.append(Comparison(claim, a_name, b_name, np.array([a[t] for t in units]), b_values, "texts",
+                              float(np.mean(b_values - full_values)), _labels(units), full_values))
+    return out
+
+
+def perplexity_token_losses(records: list[dict], comparison: Comparison) -> tuple[np.ndarray, np.ndarray]:
+    """The token losses of a perplexity comparison's two sides on its texts, each text its own
+    document: ``(runs, texts, 1, tokens)`` arrays, the input of the registered two-stage
+    bootstrap (:func:`refkv.experiments.phase2_analysis.document_bootstrap`)."""
+    design = {(claim, a, b): (a_runs, b_runs, block) for claim, a, a_runs, b, b_runs, block
+              in perplexity_design(records)}
+    a_runs, b_runs, block = design[(comparison.claim, comparison.a, comparison.b)]
+    units = [tuple(label.rsplit("/", 1)) for label in comparison.labels]
+    nll = {}
+    for r in _registered(records):
+        p = r["params"]
+        if p["block"] == block:
+            nll[(p["policy"], p["text"], str(p["segment"]))] = r["result"]["nll"]
+    out = []
+    for runs in (a_runs, b_runs):
+        array = [[[nll[(run, text, segment)]] for text, segment in units] for run in runs]
+        lengths = {len(window[0]) for run in array for window in run}
+        if len(lengths) != 1:
+            raise ValueError(f"{comparison.claim} {comparison.a} vs {comparison.b}: the texts' token losses have "
+                             f"lengths {sorted(lengths)}; the bootstrap needs one length")
+        out.append(np.array(array, dtype=float))                      # (runs, texts, 1, tokens)
+    return out[0], out[1]
 
 
 # -- the per-prompt claims (A1, G1, G2, S1) -----------------------------------------------------
