@@ -25,12 +25,17 @@ ROOT = Path(__file__).resolve().parents[2]
 REGISTERED = ROOT / "docs" / "_static" / "experiments" / "registered"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("registered_records", ROOT / "docs" / "registered_records.py")
+def _load(name: str):
+    """The script ``docs/NAME.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["registered_records"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _script():
+    return _load("registered_records")
 
 
 def _cosine_records(anchor: dict, common: dict) -> list[dict]:
@@ -345,11 +350,7 @@ def test_the_committed_records_rederive_mats_published_choice_and_h1s_seed_means
 
 
 def _verdict_script():
-    spec = importlib.util.spec_from_file_location("registered_verdicts", ROOT / "docs" / "registered_verdicts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["registered_verdicts"] = module
-    spec.loader.exec_module(module)
-    return module
+    return _load("registered_verdicts")
 
 
 @pytest.mark.skipif(not PERPLEXITY.is_file(), reason="phase one's perplexity records are not committed")
