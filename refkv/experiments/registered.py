@@ -393,11 +393,10 @@ def perplexity_design(records: list[dict]) -> list[tuple[str, str, tuple[str, ..
     """
     from .perplexity import REGISTERED_BLOCK
 
-    hashevict = REGISTERED_HASHEVICT
     design = [("L1", "keydiff", ("keydiff",), other, (other,), REGISTERED_BLOCK) for other in ("snapkv", "tova", "h2o")]
     design += [("C1", f"caote:base={base}", (f"caote:base={base}",), base, (base,), REGISTERED_BLOCK)
                for base in ("h2o", "tova", "snapkv")]
-    design.append(("H1", "hashevict", hashevict, "knorm:recent=10,sink=4", ("knorm:recent=10,sink=4",), 1))
+    design.append(("H1", "hashevict", REGISTERED_HASHEVICT, "knorm:recent=10,sink=4", ("knorm:recent=10,sink=4",), 1))
     mat = chosen_mat(records)
     if mat is not None:
         design.append(("M1", "mat@selected", (mat,), "sink", ("sink",), 1))
