@@ -436,7 +436,12 @@ def main(argv: list[str]) -> int:
         if args.page:
             files, summary = page_files(Path(args.out), design), None
         else:  # every input validated and every file computed before one is written
-            csvs, summary = table_files(_results_folder(args.results))
+            results = _results_folder(args.results)
+            try:
+                csvs, summary = table_files(results)
+            except (KeyError, TypeError) as err:   # a record without a field the rule reads, or of another type
+                raise ValueError(f"RESULTS {results}: a record lacks or mistypes a field the rule reads "
+                                 f"({err!r})") from None
             if args.published_cost:
                 csvs["run.csv"] = published_cost(Path(args.out) / "run.csv")
             files = {**csvs, **page_files(csvs, design)}

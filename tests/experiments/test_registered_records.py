@@ -383,6 +383,19 @@ def test_the_verdict_script_reads_a_committed_records_folder(tmp_path, capsys):
     assert exit_.value.code == 2 and "--published-cost" in capsys.readouterr().err
 
 
+def test_the_verdict_script_names_a_record_without_a_field_the_rule_reads(tmp_path, capsys):
+    records = _perplexity_records(5)
+    del records[3]["result"]["ppl"]
+    (tmp_path / "perplexity.jsonl.gz").write_bytes(gzip.compress(
+        "".join(json.dumps(r) + "\n" for r in records).encode()))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        _verdict_script().main([str(tmp_path), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "lacks or mistypes a field" in err and "Traceback" not in err
+    assert not out.exists()
+
+
 def test_the_published_distinctiveness_table_covers_every_test_prompt():
     rows = list(csv.DictReader(io.StringIO((REGISTERED / "distinctiveness.csv").read_text(encoding="utf-8"))))
     assert [int(r["sample"]) for r in rows] == list(range(60))
